@@ -1,0 +1,43 @@
+"""Install yatt-hpc.
+
+    make install          # .venv with the CPU torch build and the [dev] extra
+    pip install -e '.[dev]'
+    pip install -e '.[gpu]'   # adds SGLang (CUDA machines only)
+
+torch is a lower bound only: on a CPU machine install ``torch==2.13.0`` first (the Makefile
+does, through ``constraints/cpu.txt``) so that pip never resolves a multi-GB CUDA build.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="yatt-hpc",
+    version="0.1.0",
+    description="Slurm-native RL post-training with parallel MPI controllers",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["yatt_hpc", "yatt_hpc.*"]),
+    package_data={"yatt_hpc": ["py.typed"]},
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.17",
+        "psutil>=5.9",  # megatron-core needs it but does not declare it
+        "transformers>=4.50",
+        "mpi4py>=4.0",
+        "submitit>=1.5.4",
+        "h5py>=3.10",
+        "safetensors>=0.4",
+        "tensorboard>=2.16",
+        "click>=8.1",
+        "pydantic>=2.6,<3",
+        "PyYAML>=6.0",
+        "rich>=13.0",
+        "numpy>=1.26",
+        "matplotlib>=3.8",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5"],
+        "gpu": ["sglang>=0.5"],
+    },
+    entry_points={"console_scripts": ["yatt-hpc=yatt_hpc.cli:main"]},
+)

@@ -1,0 +1,242 @@
+"""The typed configuration of a yatt-hpc run: one frozen, validated model per concern.
+
+    from yatt_hpc.config import load_config
+    cfg = load_config("configs/demo_cpu.yaml", overrides=["train.steps=3"])
+
+Every field carries a docstring; `yatt-hpc config docs` and the README's config reference are
+generated from them. Cross-field rules of a section live in that section's single validator;
+rules that span sections live in `RunConfig`. Derived values (ranks, layouts) are not stored
+here: they belong to the placement plan (`yatt_hpc.placement`).
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: frozen, unknown keys rejected, field docstrings kept."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    """The policy being trained."""
+
+    path: str = "models/demo/policy"
+    """Directory of the initial policy in Hugging Face layout (config.json + *.safetensors + tokenizer).
+    Relative paths are resolved against the working directory of `yatt-hpc run`."""
+    arch: Literal["auto", "gpt2", "llama", "qwen2"] = "auto"
+    """Architecture for the Megatron <-> HF converter; `auto` reads `model_type` from config.json."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the trainer. CPU runs need float32 for exact weight-sync checks."""
+
+
+class DataConfig(Section):
+    """Where prompts come from and how each data-parallel rank walks its shard."""
+
+    source: str = "demo:train"
+    """`demo:train` (the built-in verifiable task) or a path to a JSONL file with `prompt` and `answer`."""
+    prompt_key: str = "prompt"
+    """JSONL key holding the prompt text."""
+    answer_key: str = "answer"
+    """JSONL key holding the reference answer the rule verifier checks."""
+    num_prompts: int = Field(4096, ge=1)
+    """Size of the generated demo prompt set (ignored for JSONL sources)."""
+    seed: int = 1234
+    """Seed of the per-epoch prompt permutation; the order is a pure function of (seed, epoch, position)."""
+    max_prompt_tokens: int = Field(64, ge=1)
+    """Prompts longer than this many tokens are rejected with an error naming the row."""
+
+
+class TrainConfig(Section):
+    """The GRPO policy update."""
+
+    steps: int = Field(20, ge=0)
+    """Number of RL steps (generate -> score -> update) to run in total, across restarts."""
+    seed: int = 0
+    """Seed for model init noise, sampling and dropout; same seed, same run."""
+    prompts_per_step: int = Field(16, ge=1)
+    """Prompt groups per step over all trainer data-parallel ranks (must divide by trainer dp)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Samples per forward/backward on one trainer rank; gradients accumulate over micro-batches."""
+    lr: float = Field(1e-4, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clip; 0 disables clipping."""
+    clip_low: float = Field(0.2, ge=0, le=1)
+    """PPO ratio clip below 1: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
+    clip_high: float = Field(0.28, ge=0)
+    """PPO ratio clip above 1 (DAPO's clip-higher when larger than clip_low)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL estimate to the frozen reference policy; 0 skips the reference model."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus subtracted from the loss."""
+    updates_per_step: int = Field(1, ge=1)
+    """Optimizer passes over each step's samples (1 = on-policy)."""
+
+
+class RolloutConfig(Section):
+    """Sampling responses from the current policy."""
+
+    engine: Literal["hf", "sglang"] = "hf"
+    """Inference engine: `hf` (transformers, CPU or GPU) or `sglang` (GPU only, `pip install yatt-hpc[gpu]`)."""
+    samples_per_prompt: int = Field(8, ge=1)
+    """GRPO group size n: responses sampled per prompt."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Maximum response length in tokens."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    weight_sync_bucket_mb: float = Field(64.0, gt=0)
+    """Size of one trainer -> rollout weight-sync bucket in MiB."""
+
+
+class RewardConfig(Section):
+    """Scoring: a generative reward model (GenRM) and/or a rule verifier."""
+
+    mode: Literal["rm_only", "rule_only", "rm_with_rule"] = "rm_with_rule"
+    """How rewards combine: GenRM alone, rule verifier alone, or alpha*GenRM + beta*rule."""
+    genrm_path: str = "models/demo/judge"
+    """Directory of the GenRM judge model in Hugging Face layout."""
+    alpha: float = Field(0.5, ge=0)
+    """Weight of the GenRM score in `rm_with_rule` mode."""
+    beta: float = Field(0.5, ge=0)
+    """Weight of the rule score in `rm_with_rule` mode."""
+    parse_fail_score: float = Field(0.0, ge=0, le=1)
+    """Score given when the judge's verdict cannot be parsed (counted as reward/genrm_parse_fail)."""
+    verdict_max_tokens: int = Field(4, ge=1)
+    """Tokens the judge may generate for its verdict."""
+    verdict_temperature: float = Field(0.0, ge=0)
+    """Judge sampling temperature; 0 means greedy."""
+
+
+class GroupPlacement(Section):
+    """Shape of one group (trainer, rollout or genrm) on the cluster."""
+
+    nodes: int = Field(1, ge=1)
+    """Nodes the group spans. In colocate/partial modes every group must use the same nodes."""
+    tasks_per_node: int = Field(1, ge=1)
+    """MPI ranks of this group per node. Trainer: one per device; rollout/GenRM: one per engine replica."""
+    devices_per_task: int = Field(0, ge=0)
+    """GPUs per rank; 0 runs on CPU. Trainer ranks use 1; an engine replica uses tp*pp."""
+    cpus_per_task: int = Field(1, ge=1)
+    """CPU cores Slurm reserves for each rank."""
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel size."""
+    pp: int = Field(1, ge=1)
+    """Pipeline-parallel size."""
+    cp: int = Field(1, ge=1)
+    """Context-parallel size (trainer only; must stay 1 for rollout and GenRM)."""
+    dp: Optional[int] = Field(None, ge=1)
+    """Data-parallel size; null derives it from the rank count. If set it must match the rank count."""
+    mem: Optional[str] = None
+    """Memory per node for Slurm (e.g. `64G`); null leaves Slurm's default."""
+
+
+class TrainerPlacement(GroupPlacement):
+    """Trainer group: Megatron ranks laid out tp-cp-dp-pp."""
+
+
+class EnginePlacement(GroupPlacement):
+    """Rollout or GenRM group: engine replicas laid out tp-pp-dp (one controller rank per replica)."""
+
+
+class PlacementConfig(Section):
+    """Where the three groups run."""
+
+    mode: Literal["colocate", "partial", "disjoint"] = "colocate"
+    """`colocate`: rollout, GenRM and train take the same devices in turn. `partial`: rollout and GenRM
+    share the devices and stream to each other, training takes them otherwise. `disjoint`: each group on
+    its own nodes (a heterogeneous Slurm job)."""
+    trainer: TrainerPlacement = TrainerPlacement(dp=2, tasks_per_node=2)
+    """Trainer group shape."""
+    rollout: EnginePlacement = EnginePlacement()
+    """Rollout group shape."""
+    genrm: EnginePlacement = EnginePlacement()
+    """GenRM group shape."""
+
+
+class CheckpointConfig(Section):
+    """Checkpoints (safetensors for tensors, HDF5 for the rest, atomic commit)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True,
+                              populate_by_name=True)
+
+    interval: int = Field(10, ge=0)
+    """Save every N steps; 0 saves only on preemption and at the end."""
+    keep_last: int = Field(2, ge=2)
+    """Committed checkpoints to keep (at least 2, so a corrupt latest still has a predecessor)."""
+    async_save: bool = Field(True, alias="async")
+    """Write in a background thread after a host-memory snapshot (YAML key: `async`)."""
+    load_from: Optional[str] = None
+    """Start a fresh run from another run's checkpoint directory (weights only)."""
+
+
+class SlurmConfig(Section):
+    """How `yatt-hpc submit` and the `sbatch/` scripts ask Slurm for the job."""
+
+    job_name: str = "yatt-hpc"
+    """Slurm job name."""
+    partition: Optional[str] = None
+    """Partition; null uses the cluster default."""
+    time: str = "01:00:00"
+    """Wall-time limit (Slurm format, e.g. `4:00:00` or `1-00:00:00`)."""
+    account: Optional[str] = None
+    """Account to charge; null uses the user's default."""
+    qos: Optional[str] = None
+    """Quality of service; null uses the default."""
+    signal: str = "USR2@90"
+    """Signal Slurm sends before the time limit or on preemption (`SIG@seconds`): the save-and-requeue trigger."""
+    max_requeues: int = Field(3, ge=0)
+    """Automatic requeues allowed after preemption or timeout."""
+    extra_flags: dict[Literal["trainer", "rollout", "genrm"], list[str]] = Field(default_factory=dict)
+    """Extra `#SBATCH` flags per group, e.g. `{trainer: ["--constraint=h200"]}`."""
+
+
+class LoggingConfig(Section):
+    """Metrics and logs."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files under RUN_DIR/tb."""
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of the per-rank logs under RUN_DIR/logs."""
+    progress: bool = True
+    """Show a rich progress line on the leader."""
+
+
+SECTIONS = ("model", "data", "train", "rollout", "reward", "placement", "checkpoint", "slurm", "logging")
+
+
+class RunConfig(Section):
+    """A whole run. Each section is owned by the component that reads it."""
+
+    model: ModelConfig = ModelConfig()
+    """The policy."""
+    data: DataConfig = DataConfig()
+    """Prompts."""
+    train: TrainConfig = TrainConfig()
+    """GRPO update."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Sampling."""
+    reward: RewardConfig = RewardConfig()
+    """Scoring."""
+    placement: PlacementConfig = PlacementConfig()
+    """Where groups run."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """Checkpoints."""
+    slurm: SlurmConfig = SlurmConfig()
+    """Slurm job."""
+    logging: LoggingConfig = LoggingConfig()
+    """Metrics and logs."""
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "RunConfig":
+        if self.rollout.engine == "sglang" and self.placement.rollout.devices_per_task == 0:
+            raise ValueError("rollout.engine=sglang needs GPUs but placement.rollout.devices_per_task=0; "
+                             "set placement.rollout.devices_per_task to rollout tp*pp, or use rollout.engine=hf")
+        return self

@@ -1,0 +1,199 @@
+"""The pure placement planner: config in, where every rank runs out.
+
+    from yatt_hpc.placement import plan
+    p = plan(cfg)                      # raises PlanError for impossible layouts
+    p.group_of(world_rank)             # -> "trainer" | "rollout" | "genrm"
+
+No environment reads, no files: `yatt-hpc plan` prints exactly what `run`/`submit` will use.
+
+World-rank order is trainer, rollout, genrm, so world rank 0 (the leader, decisions only) is
+trainer rank 0. Layouts follow WeChat-YATT: the trainer is Megatron tp-cp-dp-pp (tp fastest),
+rollout and GenRM are tp-pp-dp where one MPI rank controls one engine replica of tp*pp devices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from yatt_hpc.config.schema import GroupPlacement, RunConfig
+
+GROUPS = ("trainer", "rollout", "genrm")
+
+
+class PlanError(ValueError):
+    """An impossible layout; the message names the field, the value and the fix."""
+
+
+@dataclass(frozen=True)
+class SlurmShape:
+    """How Slurm provides a group: its own het-job component, or a step component in one allocation."""
+
+    kind: str  # "het_component" | "shared_allocation"
+    component: int  # het-group index (disjoint) or MPMD component index (shared)
+
+    def describe(self) -> str:
+        if self.kind == "het_component":
+            return f"het group {self.component}"
+        return f"shared nodes, step comp. {self.component}"
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    name: str
+    nodes: int
+    tasks_per_node: int
+    devices_per_task: int
+    cpus_per_task: int
+    mem: str | None
+    layout: tuple[tuple[str, int], ...]  # ordered fastest-varying first, e.g. (("tp",2),("cp",1),("dp",4),("pp",1))
+    rank_start: int  # first world rank (inclusive)
+    slurm: SlurmShape
+
+    @property
+    def tasks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def rank_stop(self) -> int:
+        return self.rank_start + self.tasks
+
+    @property
+    def devices(self) -> int:
+        return self.tasks * self.devices_per_task
+
+    def size(self, dim: str) -> int:
+        return dict(self.layout)[dim]
+
+    def coords(self, group_rank: int) -> dict[str, int]:
+        """Layout coordinates of a rank inside this group (first layout dim varies fastest)."""
+        assert 0 <= group_rank < self.tasks, (group_rank, self.tasks)
+        out, rest = {}, group_rank
+        for dim, size in self._rank_dims():
+            out[dim] = rest % size
+            rest //= size
+        return out
+
+    def _rank_dims(self) -> tuple[tuple[str, int], ...]:
+        # engine replicas own their tp*pp devices inside one rank: only dp spans ranks
+        return self.layout if self.name == "trainer" else (("dp", self.size("dp")),)
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str
+    groups: tuple[GroupPlan, ...]
+
+    @property
+    def world_size(self) -> int:
+        return sum(g.tasks for g in self.groups)
+
+    @property
+    def total_nodes(self) -> int:
+        if self.mode == "disjoint":
+            return sum(g.nodes for g in self.groups)
+        return max(g.nodes for g in self.groups)
+
+    @property
+    def total_devices(self) -> int:
+        if self.mode == "disjoint":
+            return sum(g.devices for g in self.groups)
+        return max(g.devices for g in self.groups) if self.mode == "colocate" else self.group("trainer").devices
+
+    def group(self, name: str) -> GroupPlan:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+    def group_of(self, world_rank: int) -> str:
+        for g in self.groups:
+            if g.rank_start <= world_rank < g.rank_stop:
+                return g.name
+        raise PlanError(f"world rank {world_rank} is outside the plan's {self.world_size} ranks; "
+                        f"launch exactly {self.world_size} ranks")
+
+
+def plan(cfg: RunConfig) -> Plan:
+    """Lay out trainer, rollout and GenRM ranks for `cfg.placement`; raise PlanError if impossible."""
+    pc = cfg.placement
+    sections = {"trainer": pc.trainer, "rollout": pc.rollout, "genrm": pc.genrm}
+    layouts = {"trainer": _trainer_layout(pc.trainer)}
+    for name in ("rollout", "genrm"):
+        layouts[name] = _engine_layout(name, sections[name])
+    _check_shared_nodes(pc.mode, sections)
+    _check_batch(cfg, layouts["trainer"])
+    kind = "het_component" if pc.mode == "disjoint" else "shared_allocation"
+    groups, start = [], 0
+    for index, name in enumerate(GROUPS):
+        gp = sections[name]
+        groups.append(GroupPlan(name, gp.nodes, gp.tasks_per_node, gp.devices_per_task, gp.cpus_per_task,
+                                gp.mem, layouts[name], start, SlurmShape(kind, index)))
+        start += gp.nodes * gp.tasks_per_node
+    return Plan(pc.mode, tuple(groups))
+
+
+def _trainer_layout(gp: GroupPlacement) -> tuple[tuple[str, int], ...]:
+    f = "placement.trainer"
+    ranks = gp.nodes * gp.tasks_per_node
+    if gp.devices_per_task > 1:
+        raise PlanError(f"{f}.devices_per_task={gp.devices_per_task}: a Megatron rank drives exactly one device; "
+                        f"set {f}.devices_per_task=1 and {f}.tasks_per_node to the GPUs per node")
+    model_par = gp.tp * gp.cp * gp.pp
+    if ranks % model_par:
+        raise PlanError(f"{f}: tp*cp*pp = {gp.tp}*{gp.cp}*{gp.pp} = {model_par} does not divide the group's "
+                        f"{ranks} ranks (nodes={gp.nodes} x tasks_per_node={gp.tasks_per_node}); "
+                        f"make {f}.tasks_per_node*nodes a multiple of {model_par} or lower tp/cp/pp")
+    if gp.devices_per_task and gp.tasks_per_node % gp.tp:
+        raise PlanError(f"{f}.tp={gp.tp} does not divide {f}.tasks_per_node={gp.tasks_per_node} (devices per node); "
+                        "tensor parallelism must stay inside a node: pick tp from the divisors of tasks_per_node")
+    dp = ranks // model_par
+    if gp.dp is not None and gp.dp != dp:
+        raise PlanError(f"{f}.dp={gp.dp} but {ranks} ranks / (tp*cp*pp={model_par}) gives dp={dp}; "
+                        f"set {f}.dp={dp} (or null to derive it) or change nodes/tasks_per_node")
+    return (("tp", gp.tp), ("cp", gp.cp), ("dp", dp), ("pp", gp.pp))
+
+
+def _engine_layout(name: str, gp: GroupPlacement) -> tuple[tuple[str, int], ...]:
+    f = f"placement.{name}"
+    if gp.cp != 1:
+        raise PlanError(f"{f}.cp={gp.cp}: context parallelism is a trainer feature; set {f}.cp=1")
+    per_replica = gp.tp * gp.pp
+    if gp.devices_per_task == 0 and per_replica != 1:
+        raise PlanError(f"{f}: tp*pp={per_replica} needs GPUs but devices_per_task=0 (CPU engines are tp=pp=1); "
+                        f"set {f}.devices_per_task={per_replica} or {f}.tp=1 and {f}.pp=1")
+    if gp.devices_per_task and gp.devices_per_task % per_replica:
+        raise PlanError(f"{f}: tp*pp = {gp.tp}*{gp.pp} = {per_replica} does not divide devices_per_task="
+                        f"{gp.devices_per_task} (the devices of one engine replica); set {f}.devices_per_task "
+                        f"to a multiple of {per_replica}")
+    replicas = gp.nodes * gp.tasks_per_node
+    if gp.dp is not None and gp.dp != replicas:
+        raise PlanError(f"{f}.dp={gp.dp} but the group has {replicas} ranks (one per engine replica); "
+                        f"set {f}.dp={replicas} (or null) or change nodes/tasks_per_node")
+    return (("tp", gp.tp), ("pp", gp.pp), ("dp", replicas))
+
+
+def _check_shared_nodes(mode: str, sections: dict[str, GroupPlacement]) -> None:
+    if mode == "disjoint":
+        return
+    nodes = {name: gp.nodes for name, gp in sections.items()}
+    if len(set(nodes.values())) != 1:
+        raise PlanError(f"placement.mode={mode} puts all groups on the same nodes, but nodes differ "
+                        f"({', '.join(f'{k}={v}' for k, v in nodes.items())}); give every group the same "
+                        "placement.<group>.nodes, or use placement.mode=disjoint")
+    dev = {name: gp.tasks_per_node * gp.devices_per_task for name, gp in sections.items()}
+    if mode == "colocate" and len(set(dev.values())) != 1:
+        raise PlanError("placement.mode=colocate: every group takes all devices of a node in turn, but devices "
+                        f"per node differ ({', '.join(f'{k}={v}' for k, v in dev.items())}); make "
+                        "tasks_per_node*devices_per_task equal for trainer, rollout and genrm")
+    if mode == "partial" and dev["rollout"] + dev["genrm"] != dev["trainer"]:
+        raise PlanError("placement.mode=partial: rollout and GenRM split the trainer's devices, but "
+                        f"rollout {dev['rollout']} + genrm {dev['genrm']} != trainer {dev['trainer']} devices per "
+                        "node; adjust placement.rollout/genrm tasks_per_node or devices_per_task")
+
+
+def _check_batch(cfg: RunConfig, trainer_layout: tuple[tuple[str, int], ...]) -> None:
+    dp = dict(trainer_layout)["dp"]
+    if cfg.train.prompts_per_step % dp:
+        fixed = max(dp, round(cfg.train.prompts_per_step / dp) * dp)
+        raise PlanError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a multiple of the trainer's "
+                        f"dp={dp} (each data-parallel rank owns an equal share of prompts); "
+                        f"set train.prompts_per_step={fixed}")
