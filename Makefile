@@ -1,0 +1,50 @@
+# yatt-hpc — the two commands a newcomer runs first:
+#   make demo    install, then the GRPO demo on the embedded CPU default (runs/demo)
+#   make test    install, start the dev Slurm cluster (root + apt), run every test layer, stop it again
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+PIP       := $(PY) -m pip --disable-pip-version-check
+STAMP     := $(VENV)/.installed
+RUN_DIR   ?= runs/demo
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-unit system-deps cluster-start cluster-stop bench lint clean
+
+install: $(STAMP)
+
+# Re-runs only when setup.py or the constraints change. torch comes first and pinned to the CPU
+# build that lies on this machine's disk, so nothing later can resolve a multi-GB CUDA build.
+$(STAMP): setup.py constraints/cpu.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q -c constraints/cpu.txt torch==2.13.0
+	$(PIP) install -q -c constraints/cpu.txt -e '.[dev]'
+	touch $@
+
+# Open MPI (+ PMIx) from Debian for mpirun; a no-op when already there.
+system-deps:
+	@command -v mpirun >/dev/null || bash tools/system-deps.sh
+
+demo: install system-deps
+	$(VENV)/bin/yatt-hpc run configs/demo_cpu.yaml --run-dir $(RUN_DIR)
+
+test: install
+	bash tools/run-tests.sh $(PYTEST_ARGS)
+
+test-unit: install
+	$(PY) -m pytest tests/unit tests/golden -q $(PYTEST_ARGS)
+
+cluster-start:
+	bash tools/slurm-dev-cluster.sh start
+
+cluster-stop:
+	bash tools/slurm-dev-cluster.sh stop
+
+bench: install system-deps
+	@ls bench/*.py >/dev/null 2>&1 || { echo "no benchmarks yet (bench/ arrives with the benchmark issue)"; exit 3; }
+	for b in bench/*.py; do $(PY) $$b || exit 1; done
+
+lint: install
+	$(VENV)/bin/ruff check yatt_hpc tests tools
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,54 @@
+"""Shared test fixtures: where real MPI and a real Slurm cluster come from.
+
+Tests that need `mpirun` or a Slurm cluster skip with the reason printed when none can be had,
+and FAIL instead when YATT_REQUIRE_MPI=1 / YATT_REQUIRE_SLURM=1 (CI sets both).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+def _unavailable(what: str, env: str, reason: str):
+    if os.environ.get(env) == "1":
+        pytest.fail(f"{what} is required ({env}=1) but unavailable: {reason}", pytrace=False)
+    pytest.skip(f"{what} unavailable: {reason}")
+
+
+def mpi_env() -> dict[str, str]:
+    env = dict(os.environ)
+    if os.geteuid() == 0:  # Open MPI refuses root without both of these
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture(scope="session")
+def mpirun() -> str:
+    path = shutil.which("mpirun")
+    if not path:
+        _unavailable("mpirun", "YATT_REQUIRE_MPI", "no mpirun on PATH (tools/slurm-dev-cluster.sh start installs Open MPI)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> str:
+    """The name of a reachable Slurm cluster with idle nodes."""
+    if not shutil.which("sinfo"):
+        _unavailable("Slurm", "YATT_REQUIRE_SLURM", "no sinfo on PATH; run `sudo tools/slurm-dev-cluster.sh start`")
+    probe = subprocess.run(["sinfo", "-h", "-o", "%D %T"], capture_output=True, text=True, timeout=20)
+    if probe.returncode != 0:
+        _unavailable("Slurm", "YATT_REQUIRE_SLURM", f"sinfo failed: {probe.stderr.strip()}")
+    nodes = sum(int(line.split()[0]) for line in probe.stdout.splitlines() if line.strip())
+    if nodes < 2:
+        _unavailable("Slurm", "YATT_REQUIRE_SLURM", f"need >= 2 nodes, sinfo shows {nodes}")
+    cluster = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True).stdout
+    return next((line.split("=", 1)[1].strip() for line in cluster.splitlines() if line.startswith("ClusterName")), "?")

@@ -1,0 +1,116 @@
+"""Config loading: every shipped config validates; every bad input is one clear error, exit 2 from the CLI."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from yatt_hpc.config import ConfigError, load_config, to_yaml
+from yatt_hpc.config.docs import reference_markdown
+from yatt_hpc.config.schema import RunConfig
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.name) for p in CONFIGS])
+def test_shipped_configs_load_and_roundtrip(path, tmp_path):
+    cfg = load_config(path)
+    again = tmp_path / "resolved.yaml"
+    again.write_text(to_yaml(cfg))
+    assert load_config(again) == cfg
+
+
+def test_overrides_parse_yaml_values_and_nested_keys():
+    cfg = load_config(REPO / "configs/demo_cpu.yaml",
+                      ["train.steps=3", "checkpoint.async=false", "placement.trainer.dp=null", "slurm.partition=gpu"])
+    assert cfg.train.steps == 3 and cfg.checkpoint.async_save is False
+    assert cfg.placement.trainer.dp is None and cfg.slurm.partition == "gpu"
+
+
+def test_config_is_frozen():
+    cfg = load_config(REPO / "configs/demo_cpu.yaml")
+    with pytest.raises(Exception):
+        cfg.train.steps = 5
+
+
+def test_every_field_has_a_docstring():
+    text = reference_markdown()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) > 50
+    assert all(not line.rstrip().endswith("|  |") for line in rows), [r for r in rows if r.rstrip().endswith("|  |")]
+
+
+BAD = [
+    pytest.param(["train.stepz=3"], ["unknown key 'train.stepz'", "valid keys here: steps, seed"], id="unknown-key"),
+    pytest.param(["placement.bogus=1"], ["unknown key 'placement.bogus'", "mode, trainer, rollout, genrm"], id="unknown-section-key"),
+    pytest.param(["train.steps=ten"], ["train.steps", "'ten'", "valid integer"], id="wrong-type"),
+    pytest.param(["train.steps=-1"], ["train.steps", "-1", "greater than or equal to 0"], id="negative-steps"),
+    pytest.param(["placement.mode=ring"], ["placement.mode", "'ring'", "'colocate', 'partial' or 'disjoint'"], id="bad-mode"),
+    pytest.param(["placement.rollout.tasks_per_node=0"], ["placement.rollout.tasks_per_node", "0"], id="zero-rollout-ranks"),
+    pytest.param(["train.steps"], ["is not of the form section.field=value"], id="override-without-value"),
+    pytest.param(["checkpoint.keep_last=1"], ["checkpoint.keep_last", "greater than or equal to 2"], id="keep-last-1"),
+]
+
+
+@pytest.mark.parametrize("overrides, needles", BAD)
+def test_bad_values_name_field_value_and_fix(overrides, needles):
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/demo_cpu.yaml", overrides)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_missing_and_unreadable_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: [1,\n")
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d+"):
+        load_config(bad)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_config(binary)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(listy)
+
+
+def test_defaults_are_a_valid_config():
+    assert RunConfig().placement.mode == "colocate"
+
+
+CLI_BAD = [
+    pytest.param(["plan", "configs/demo_cpu.yaml", "--set", "train.stepz=1"], "unknown key", id="plan-unknown-key"),
+    pytest.param(["config", "show", "configs/demo_cpu.yaml", "--set", "train.steps=-2"], "train.steps", id="show-negative"),
+    pytest.param(["plan", "configs/demo_cpu.yaml", "--set", "placement.trainer.tp=3"], "does not divide", id="plan-tp-not-dividing"),
+    pytest.param(["plan", "configs/missing.yaml"], "does not exist", id="plan-missing-file"),
+    pytest.param(["plan", "configs/demo_cpu.yaml", "--set", "train.prompts_per_step=15"], "multiple of the trainer's dp=2", id="plan-batch-not-divisible"),
+]
+
+
+@pytest.mark.parametrize("argv, needle", CLI_BAD)
+def test_cli_user_errors_exit_2_without_traceback(argv, needle):
+    proc = subprocess.run([sys.executable, "-m", "yatt_hpc.cli", *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.name) for p in CONFIGS])
+def test_cli_plan_prints_every_shipped_config(path):
+    proc = subprocess.run([sys.executable, "-m", "yatt_hpc.cli", "plan", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for word in ("trainer", "rollout", "genrm", "mpirun", "srun --mpi=pmix"):
+        assert word in proc.stdout
+
+
+@pytest.mark.parametrize("verb", ["submit", "status", "cancel", "logs", "ckpt"])
+def test_unbuilt_verbs_say_so_and_fail(verb):
+    proc = subprocess.run([sys.executable, "-m", "yatt_hpc.cli", verb, "x"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and "not implemented yet" in proc.stderr

@@ -1,0 +1,109 @@
+"""The pure placement planner: named layouts and the impossible ones."""
+from pathlib import Path
+
+import pytest
+
+from yatt_hpc.config import load_config
+from yatt_hpc.launch.commands import local_launch, render, srun_launch
+from yatt_hpc.placement import PlanError, plan
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cfg(name="demo_cpu.yaml", *overrides):
+    return load_config(REPO / "configs" / name, overrides)
+
+
+def test_demo_colocate_is_four_ranks_trainer_first():
+    p = plan(cfg())
+    assert p.mode == "colocate" and p.world_size == 4 and p.total_nodes == 1
+    assert [(g.name, g.rank_start, g.rank_stop) for g in p.groups] == [("trainer", 0, 2), ("rollout", 2, 3), ("genrm", 3, 4)]
+    assert p.group("trainer").layout == (("tp", 1), ("cp", 1), ("dp", 2), ("pp", 1))
+    assert [p.group_of(r) for r in range(4)] == ["trainer", "trainer", "rollout", "genrm"]
+    assert all(g.slurm.kind == "shared_allocation" for g in p.groups)
+
+
+def test_1024_gpu_disjoint_layout():
+    p = plan(cfg("qwen2_7b_disjoint_1024gpu.yaml"))
+    assert p.total_devices == 1024 and p.total_nodes == 128
+    t, r, g = (p.group(n) for n in ("trainer", "rollout", "genrm"))
+    assert (t.tasks, t.devices, t.layout) == (512, 512, (("tp", 4), ("cp", 1), ("dp", 32), ("pp", 4)))
+    assert (r.tasks, r.devices, r.layout) == (192, 384, (("tp", 2), ("pp", 1), ("dp", 192)))
+    assert (g.tasks, g.devices, g.layout) == (32, 128, (("tp", 4), ("pp", 1), ("dp", 32)))
+    assert (t.rank_start, r.rank_start, g.rank_start, p.world_size) == (0, 512, 704, 736)
+    assert [x.slurm.component for x in p.groups] == [0, 1, 2]
+    assert all(x.slurm.kind == "het_component" for x in p.groups)
+    # Megatron order tp-cp-dp-pp, tp fastest: rank 4 is tp0 of dp1; rank 128 is the first rank of pp stage 1
+    assert t.coords(4) == {"tp": 0, "cp": 0, "dp": 1, "pp": 0}
+    assert t.coords(128) == {"tp": 0, "cp": 0, "dp": 0, "pp": 1}
+    assert t.coords(511) == {"tp": 3, "cp": 0, "dp": 31, "pp": 3}
+    assert r.coords(191) == {"dp": 191}
+
+
+def test_colocate_gpu_shares_nodes_and_devices():
+    p = plan(cfg("colocate_gpu.yaml"))
+    assert p.total_nodes == 4 and p.total_devices == 32
+    assert {g.devices for g in p.groups} == {32}
+    assert p.group("genrm").layout == (("tp", 2), ("pp", 1), ("dp", 16))
+
+
+def test_partial_splits_the_trainers_devices():
+    p = plan(cfg("partial_gpu.yaml"))
+    assert p.group("rollout").devices + p.group("genrm").devices == p.group("trainer").devices == 16
+
+
+def test_dp_is_derived_when_null():
+    p = plan(cfg("demo_cpu.yaml", "placement.trainer.dp=null", "placement.trainer.tasks_per_node=4",
+                 "placement.trainer.tp=2", "placement.mode=disjoint"))
+    assert p.group("trainer").layout == (("tp", 2), ("cp", 1), ("dp", 2), ("pp", 1))
+
+
+IMPOSSIBLE = [
+    pytest.param(("placement.trainer.tp=3",), "tp*cp*pp = 3*1*1 = 3 does not divide the group's 2 ranks", id="tp-not-dividing-ranks"),
+    pytest.param(("placement.trainer.dp=4",), "placement.trainer.dp=4 but 2 ranks", id="dp-mismatch"),
+    pytest.param(("placement.trainer.devices_per_task=2",), "drives exactly one device", id="trainer-two-devices"),
+    pytest.param(("placement.rollout.tp=2",), "needs GPUs but devices_per_task=0", id="cpu-engine-tp2"),
+    pytest.param(("placement.rollout.tp=2", "placement.rollout.devices_per_task=3"), "does not divide devices_per_task=3", id="engine-tp-not-dividing-devices"),
+    pytest.param(("placement.genrm.cp=2",), "context parallelism is a trainer feature", id="engine-cp"),
+    pytest.param(("placement.rollout.nodes=2",), "puts all groups on the same nodes", id="colocate-node-mismatch"),
+    pytest.param(("placement.rollout.dp=3",), "placement.rollout.dp=3 but the group has 1 ranks", id="engine-dp-mismatch"),
+    pytest.param(("train.prompts_per_step=7",), "set train.prompts_per_step=8", id="batch-not-divisible"),
+]
+
+
+@pytest.mark.parametrize("overrides, needle", IMPOSSIBLE)
+def test_impossible_layouts_name_field_and_fix(overrides, needle):
+    with pytest.raises(PlanError) as err:
+        plan(cfg("demo_cpu.yaml", *overrides))
+    assert needle in str(err.value)
+
+
+def test_gpu_trainer_tp_must_stay_inside_a_node():
+    with pytest.raises(PlanError, match="tensor parallelism must stay inside a node"):
+        plan(cfg("colocate_gpu.yaml", "placement.trainer.tp=16", "placement.trainer.dp=null"))
+
+
+def test_colocate_gpu_device_mismatch():
+    with pytest.raises(PlanError, match="every group takes all devices of a node"):
+        plan(cfg("colocate_gpu.yaml", "placement.rollout.tasks_per_node=4"))
+
+
+def test_partial_device_split_must_add_up():
+    with pytest.raises(PlanError, match="rollout 8 \\+ genrm 2 != trainer 8"):
+        plan(cfg("partial_gpu.yaml", "placement.rollout.tasks_per_node=8"))
+
+
+def test_group_of_outside_world_names_the_fix():
+    with pytest.raises(PlanError, match="launch exactly 4 ranks"):
+        plan(cfg()).group_of(4)
+
+
+def test_launch_lines_are_one_mpmd_world():
+    p = plan(cfg("disjoint_cpu.yaml"))
+    local = render(local_launch(p, "runs/x y", python="py"))
+    assert local.count(" : ") == 2 and "-np 4 py -m yatt_hpc.control.worker --group trainer --run-dir 'runs/x y'" in local
+    srun = srun_launch(p, "r", python="py")
+    assert srun[:3] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1"]
+    assert [w for w in srun if w.startswith("--het-group")] == ["--het-group=0", "--het-group=1", "--het-group=2"]
+    shared = srun_launch(plan(cfg("colocate_gpu.yaml")), "r", python="py")
+    assert shared.count("--overlap") == 3 and "--gpus-per-task=2" in shared

@@ -1,0 +1,1 @@
+"""Parallel controllers: one MPI world, group communicators, the GRPO step loop."""
