@@ -1,0 +1,135 @@
+"""One rank of the TP=2 converter check; started by tests/mpi/test_convert_tp2.py, never by pytest itself.
+
+    mpirun --oversubscribe -np 2 .venv/bin/python tests/mpi/convert_tp2_worker.py OUT_DIR [CASE ...]
+
+Each rank builds the same seeded tiny HF model per case, loads its Megatron TP shard, and writes
+``OUT_DIR/rank-<r>.json`` with the measured differences against HF and against the TP=1 maths.
+Also home of the tiny HF model factory that tests/unit/test_convert.py shares.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from yatt_hpc.train import convert
+from yatt_hpc.train import megatron_model as mm
+from yatt_hpc.train.logprobs import token_logprobs_and_entropy
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+_GQA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+# name -> (HF class, config). Vocab 61 makes Megatron pad the vocab at TP=2.
+TINY_CASES = {
+    "gpt2-tied": (GPT2LMHeadModel, lambda: GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=64, n_positions=64, bos_token_id=0, eos_token_id=0)),
+    "llama-gqa-untied-vocab61": (LlamaForCausalLM, lambda: LlamaConfig(
+        vocab_size=61, tie_word_embeddings=False, **_GQA)),
+    "llama3-rope-scaling": (LlamaForCausalLM, lambda: LlamaConfig(
+        vocab_size=64, **{**_GQA, "max_position_embeddings": 16384}, rope_parameters=_LLAMA3_ROPE)),
+    "qwen2-gqa-qkv-bias-tied": (Qwen2ForCausalLM, lambda: Qwen2Config(
+        vocab_size=64, tie_word_embeddings=True, **_GQA)),
+}
+
+
+def tiny_hf_model(case: str, seed: int = 0) -> torch.nn.Module:
+    """A seeded tiny HF model whose every weight (biases and norms too) is non-trivial.
+
+    HF zero-initialises biases and sets norms to one, which would hide a bias or norm mix-up.
+    """
+    cls, make_config = TINY_CASES[case]
+    torch.manual_seed(seed)
+    model = cls(make_config()).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            is_norm = param.dim() == 1 and ("norm" in name or ".ln_" in name)
+            param.copy_((1.0 if is_norm else 0.0) + 0.1 * torch.randn_like(param))
+    return model
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def check_case(case: str, tp_group) -> dict:
+    """Everything the TP=2 test asserts on, measured on this rank."""
+    start = time.perf_counter()
+    tp_rank, tp_size = torch.distributed.get_rank(tp_group), torch.distributed.get_world_size(tp_group)
+    hf = tiny_hf_model(case)
+    config, hf_sd = hf.config, hf.state_dict()
+    input_ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref_logits = hf(input_ids).logits
+
+    model = mm.build_gpt_model(config, tp_size)
+    mm.load_megatron_shard(model, convert.hf_to_megatron(hf_sd, config, tp_rank, tp_size))
+    local = mm.forward_logits(model, input_ids).detach()
+    parts = [torch.empty_like(local) for _ in range(tp_size)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=tp_group)
+    full = torch.cat(parts, dim=-1)[..., : config.vocab_size]
+
+    logits, targets = local[:, :-1], input_ids[:, 1:]
+    leaf = logits.clone().requires_grad_()
+    logp, ent = token_logprobs_and_entropy(leaf, targets, tp_group, config.vocab_size)
+    weights = torch.linspace(-1, 1, targets.numel()).view_as(targets)
+    ((logp * weights).sum() + (ent * weights.flip(-1)).sum()).backward()
+
+    ref_leaf = full[:, :-1].clone().requires_grad_()
+    ref_logp, ref_ent = token_logprobs_and_entropy(ref_leaf, targets)
+    ((ref_logp * weights).sum() + (ref_ent * weights.flip(-1)).sum()).backward()
+    width = local.shape[-1]
+    ref_grad = torch.nn.functional.pad(ref_leaf.grad, (0, width * tp_size - config.vocab_size))
+    hf_logp = torch.log_softmax(ref_logits[:, :-1], -1).gather(-1, targets[..., None])[..., 0]
+
+    gathered = convert.gather_hf_state_dict(model, config, tp_group)
+    return {
+        "logits_max_abs_diff_vs_hf": _max_diff(full, ref_logits),
+        "logp_tp_vs_tp1_max_abs_diff": _max_diff(logp, ref_logp),
+        "entropy_tp_vs_tp1_max_abs_diff": _max_diff(ent, ref_ent),
+        "logp_vs_hf_log_softmax_max_abs_diff": _max_diff(logp, hf_logp),
+        "grad_tp_vs_tp1_max_abs_diff": _max_diff(
+            leaf.grad, ref_grad[..., tp_rank * width:(tp_rank + 1) * width]),
+        "gathered_keys_equal": sorted(gathered) == sorted(hf_sd),
+        "gathered_bitwise_equal": all(torch.equal(gathered[k], hf_sd[k]) for k in hf_sd),
+        "local_vocab_width": width,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def main(out_dir: Path, cases: list[str]) -> None:
+    from megatron.core import parallel_state
+    from mpi4py import MPI
+
+    from yatt_hpc.train import megatron_model as mm
+
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    port = comm.bcast(_free_port() if rank == 0 else None, root=0)
+    mm.initialize_model_parallel(rank, world, "127.0.0.1", port, tp_size=world, seed=0)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    report = {"rank": rank, "cases": {case: check_case(case, tp_group) for case in cases}}
+    (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
+    mm.destroy_model_parallel()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:] or list(TINY_CASES))

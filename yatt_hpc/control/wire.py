@@ -1,0 +1,125 @@
+"""The data plane: sample batches cross MPI as raw buffers, never as pickled objects.
+
+    send_batch(comm, dest, TAG_SAMPLES, batch)
+    batch = recv_batch(comm, source, TAG_SAMPLES)        # source may be MPI.ANY_SOURCE
+
+A `SampleBatch` is columnar: fixed-schema numpy arrays, ragged token columns stored flat with a
+per-sample length column. On the wire: one int64 header (sample count + element count of every
+column), then one `Send` per column straight from the array's memory. MPI keeps the order of
+messages between two ranks on one communicator and tag, so a header and its columns stay together
+even when several senders interleave.
+
+Receiving polls with `Iprobe` and a short sleep instead of blocking: with more controller ranks
+than cores, a blocked Open MPI receive spins and steals the CPU the working rank needs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+from mpi4py import MPI
+
+# message tags of the inter-group protocol
+TAG_PROMPTS = 11  # trainer -> rollout: prompts to sample
+TAG_SAMPLES = 12  # rollout -> genrm: generated samples to score
+TAG_SCORED = 13  # genrm -> trainer: scored samples
+TAG_WEIGHTS = 14  # trainer -> rollout: weight buckets
+
+RAGGED = ("prompt_tokens", "response_tokens", "logprobs", "answer")
+
+
+@dataclass
+class SampleBatch:
+    """Samples owned by one trainer data-parallel rank, in flight or at rest (columnar)."""
+
+    sample_id: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # prompt_id * n + k
+    prompt_id: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    owner: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # world rank of the owning trainer
+    prompt_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    prompt_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    response_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    response_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # per response token
+    answer_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    answer: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # utf-8 bytes
+    finish: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))  # 0 stop, 1 length, 2 abort
+    reward: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    rule_score: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    genrm_score: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    parse_fail: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
+
+    def __len__(self) -> int:
+        return int(self.sample_id.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, f.name).nbytes for f in fields(self))
+
+    def ragged(self, name: str) -> list[np.ndarray]:
+        """Split a flat ragged column (`prompt_tokens`, `response_tokens`, `logprobs`, `answer`) per sample."""
+        lengths = self.response_len if name == "logprobs" else getattr(self, name.split("_")[0] + "_len")
+        return np.split(getattr(self, name), np.cumsum(lengths)[:-1]) if len(self) else []
+
+    def answers(self) -> list[str]:
+        return [a.tobytes().decode("utf-8") for a in self.ragged("answer")]
+
+    def select(self, index: np.ndarray) -> "SampleBatch":
+        """A new batch with the samples at `index`, in that order."""
+        index = np.asarray(index, dtype=np.int64)
+        out = {}
+        for f in fields(self):
+            col = getattr(self, f.name)
+            if f.name in RAGGED:
+                parts = self.ragged(f.name)
+                out[f.name] = np.concatenate([parts[i] for i in index]) if len(index) else col[:0]
+            else:
+                out[f.name] = col[index]
+        return SampleBatch(**out)
+
+    def sorted_by_id(self) -> "SampleBatch":
+        """Samples in sample-id order: downstream math must not depend on message arrival order."""
+        return self.select(np.argsort(self.sample_id, kind="stable"))
+
+    @staticmethod
+    def concat(batches: list["SampleBatch"]) -> "SampleBatch":
+        if not batches:
+            return SampleBatch()
+        return SampleBatch(**{f.name: np.concatenate([getattr(b, f.name) for b in batches]) for f in fields(SampleBatch)})
+
+
+_COLUMNS = [f.name for f in fields(SampleBatch)]
+_DTYPES = {name: SampleBatch().__getattribute__(name).dtype for name in _COLUMNS}
+
+
+def send_batch(comm, dest: int, tag: int, batch: SampleBatch) -> None:
+    header = np.array([len(batch)] + [getattr(batch, c).size for c in _COLUMNS], dtype=np.int64)
+    comm.Send(header, dest=dest, tag=tag)
+    for c in _COLUMNS:
+        col = np.ascontiguousarray(getattr(batch, c), dtype=_DTYPES[c])
+        if col.size:
+            comm.Send(col, dest=dest, tag=tag)
+
+
+def recv_batch(comm, source: int, tag: int, poll_s: float = 0.002) -> tuple[SampleBatch, int]:
+    """Receive one batch; returns it with the sender's rank (useful with MPI.ANY_SOURCE)."""
+    status = MPI.Status()
+    wait_for_message(comm, source, tag, status, poll_s)
+    sender = status.Get_source()
+    header = np.empty(1 + len(_COLUMNS), dtype=np.int64)
+    comm.Recv(header, source=sender, tag=tag)
+    cols = {}
+    for c, size in zip(_COLUMNS, header[1:]):
+        cols[c] = np.empty(int(size), dtype=_DTYPES[c])
+        if size:
+            comm.Recv(cols[c], source=sender, tag=tag)
+    return SampleBatch(**cols), sender
+
+
+def wait_for_message(comm, source: int, tag: int, status=None, poll_s: float = 0.002) -> None:
+    """Block until a matching message is pending, sleeping between probes (see module docstring)."""
+    status = status if status is not None else MPI.Status()
+    delay = 0.0
+    while not comm.Iprobe(source=source, tag=tag, status=status):
+        time.sleep(delay)
+        delay = min(poll_s, delay + 0.0002)

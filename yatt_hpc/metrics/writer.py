@@ -1,0 +1,60 @@
+"""Where step metrics go: TensorBoard event files plus one JSON line per step, on the leader only.
+
+    metrics = build_metrics(run_dir, is_writer=world.is_leader, tensorboard=cfg.logging.tensorboard)
+    metrics.log(step, {"reward/mean": 0.4, ...})
+    metrics.close()
+
+Every other rank gets `NullMetrics`, which does nothing: ranks never check "am I the writer?"
+themselves, and there is no global logger to configure.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Mapping
+
+
+class BaseMetrics:
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class NullMetrics(BaseMetrics):
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        pass
+
+
+class RunMetrics(BaseMetrics):
+    """TensorBoard scalars under RUN_DIR/tb and RUN_DIR/metrics.jsonl (one object per step)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self._jsonl = open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tb"), flush_secs=5)
+
+    def log(self, step: int, scalars: Mapping[str, float]) -> None:
+        clean = {k: float(v) for k, v in sorted(scalars.items()) if v is not None and math.isfinite(float(v))}
+        if self._tb is not None:
+            for tag, value in clean.items():
+                self._tb.add_scalar(tag, value, global_step=step)
+            self._tb.flush()
+        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        self._jsonl.flush()
+        os.fsync(self._jsonl.fileno())
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        self._jsonl.close()
+
+
+def build_metrics(run_dir: Path, *, is_writer: bool, tensorboard: bool = True) -> BaseMetrics:
+    return RunMetrics(run_dir, tensorboard) if is_writer else NullMetrics()

@@ -1,0 +1,1 @@
+"""The trainer: Megatron-core model building, HF <-> Megatron weights, log-probs (import submodules)."""

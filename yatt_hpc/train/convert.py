@@ -1,0 +1,281 @@
+"""Weights between HF causal-LM layout and Megatron GPTModel tensor-parallel shards, both directions.
+
+    shard = hf_to_megatron(hf_model.state_dict(), hf_config, tp_rank, tp_size)    # init the trainer
+    hf_sd = megatron_to_hf([shard_0, shard_1], hf_config)                          # offline merge
+    for name, tensor in iter_gathered_hf_weights(model, hf_config, tp_group):      # weight sync
+        bucket.add(name, tensor)
+
+Pure functions on state dicts (torch only, no megatron import); the one collective helper takes the
+TP group explicitly. Layout facts, checked against megatron-core 0.16 ``SelfAttention`` and ``MLP``:
+
+* ``linear_qkv`` rows are grouped per KV head: ``[q heads of group 0, k_0, v_0, q heads of group 1,
+  k_1, v_1, ...]``; TP rank r owns a contiguous run of groups, so the concatenated shards equal the
+  TP=1 layout.
+* ``linear_fc1`` of a SwiGLU MLP holds ``[gate_r; up_r]`` per rank: the concatenated shards are
+  NOT the TP=1 layout, so gate/up are split per shard.
+* Row-parallel weights (``linear_proj``, ``linear_fc2``) split the input dim; their biases and all
+  norms are replicated. Vocab rows are zero-padded to a multiple of ``tp_size``, then split.
+* GPT-2 stores linears as ``Conv1D`` ([in, out]); Megatron as [out, in].
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
+
+StateDict = dict[str, torch.Tensor]
+# Buffers some HF checkpoints carry that hold no weights (recomputed by the model).
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+
+
+class Split(enum.Enum):
+    """How a Megatron tensor is laid out across TP ranks."""
+
+    REPLICATED = "replicated"
+    COLUMN = "column"  # output dim 0 split
+    ROW = "row"  # input dim 1 split
+    VOCAB = "vocab"  # dim 0 split after zero-padding the vocab
+    QKV = "qkv"  # dim 0 split by KV group after interleaving q/k/v per group
+    GATE_UP = "gate_up"  # each shard is [gate_r; up_r]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One Megatron tensor and the HF tensor(s) it is made of."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    split: Split
+    conv1d: bool = False
+    """HF stores this weight transposed (GPT-2 ``Conv1D``)."""
+
+
+def weight_rules(arch: HFArch) -> list[list[Rule]]:
+    """The rules grouped in units (embeddings, each layer, head) that stream in model order."""
+    layers = [(_gpt2_layer_rules if arch.family == "gpt2" else _llama_layer_rules)(arch, i)
+              for i in range(arch.num_layers)]
+    return [_embedding_rules(arch), *layers, _head_rules(arch)]
+
+
+def _embedding_rules(arch: HFArch) -> list[Rule]:
+    if arch.family == "gpt2":
+        return [Rule("embedding.word_embeddings.weight", ("transformer.wte.weight",), Split.VOCAB),
+                Rule("embedding.position_embeddings.weight", ("transformer.wpe.weight",),
+                     Split.REPLICATED)]
+    return [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Split.VOCAB)]
+
+
+def _head_rules(arch: HFArch) -> list[Rule]:
+    norm = "transformer.ln_f" if arch.family == "gpt2" else "model.norm"
+    params = ("weight", "bias") if arch.family == "gpt2" else ("weight",)
+    rules = [Rule(f"decoder.final_layernorm.{p}", (f"{norm}.{p}",), Split.REPLICATED) for p in params]
+    if not arch.tied_embeddings:
+        rules.append(Rule("output_layer.weight", ("lm_head.weight",), Split.VOCAB))
+    return rules
+
+
+def _gpt2_layer_rules(arch: HFArch, i: int) -> list[Rule]:
+    m, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
+    rules = []
+    for p in ("weight", "bias"):
+        is_w = p == "weight"
+        rules += [
+            Rule(f"{m}input_layernorm.{p}", (f"{h}ln_1.{p}",), Split.REPLICATED),
+            Rule(f"{m}self_attention.linear_qkv.{p}", (f"{h}attn.c_attn.{p}",), Split.QKV, is_w),
+            Rule(f"{m}self_attention.linear_proj.{p}", (f"{h}attn.c_proj.{p}",),
+                 Split.ROW if is_w else Split.REPLICATED, is_w),
+            Rule(f"{m}pre_mlp_layernorm.{p}", (f"{h}ln_2.{p}",), Split.REPLICATED),
+            Rule(f"{m}mlp.linear_fc1.{p}", (f"{h}mlp.c_fc.{p}",), Split.COLUMN, is_w),
+            Rule(f"{m}mlp.linear_fc2.{p}", (f"{h}mlp.c_proj.{p}",),
+                 Split.ROW if is_w else Split.REPLICATED, is_w),
+        ]
+    return rules
+
+
+def _llama_layer_rules(arch: HFArch, i: int) -> list[Rule]:
+    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    attn, mlp = f"{h}self_attn.", f"{h}mlp."
+
+    def qkv(param: str) -> tuple[str, ...]:
+        return tuple(f"{attn}{x}_proj.{param}" for x in "qkv")
+
+    rules = [
+        Rule(f"{m}input_layernorm.weight", (f"{h}input_layernorm.weight",), Split.REPLICATED),
+        Rule(f"{m}self_attention.linear_qkv.weight", qkv("weight"), Split.QKV),
+    ]
+    if arch.qkv_bias:
+        rules.append(Rule(f"{m}self_attention.linear_qkv.bias", qkv("bias"), Split.QKV))
+    return rules + [
+        Rule(f"{m}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), Split.ROW),
+        Rule(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",),
+             Split.REPLICATED),
+        Rule(f"{m}mlp.linear_fc1.weight", (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"),
+             Split.GATE_UP),
+        Rule(f"{m}mlp.linear_fc2.weight", (f"{mlp}down_proj.weight",), Split.ROW),
+    ]
+
+
+# ----------------------------------------------------------------------------- HF -> Megatron
+
+
+def hf_to_megatron(hf_state_dict: StateDict, hf_config: Any, tp_rank: int, tp_size: int) -> StateDict:
+    """TP rank ``tp_rank``'s Megatron shard of an HF state dict (same dtype, contiguous).
+
+    Replicated tensors may share storage with the input. Raises ``KeyError`` for HF tensors that
+    are missing or that no rule consumes, so a checkpoint of another architecture cannot load
+    silently.
+    """
+    arch = describe_hf_config(hf_config, tp_size)
+    rules = [rule for unit in weight_rules(arch) for rule in unit]
+    required = {name for rule in rules for name in rule.hf}
+    # A tied head is listed by state_dict() but dropped by save_pretrained: accept either.
+    optional = {"lm_head.weight"} if arch.tied_embeddings else set()
+    known = required | optional
+    unknown = [k for k in hf_state_dict if k not in known and not k.endswith(_IGNORED_HF_SUFFIXES)]
+    missing = sorted(required - set(hf_state_dict))
+    if unknown or missing:
+        raise KeyError(f"HF state dict does not match {arch.family}: missing={missing}, "
+                       f"unexpected={unknown}")
+    return {rule.megatron: _to_megatron(rule, [hf_state_dict[n] for n in rule.hf], arch, tp_rank,
+                                        tp_size).contiguous()
+            for rule in rules}
+
+
+def _to_megatron(rule: Rule, hf: list[torch.Tensor], arch: HFArch, rank: int, tp: int) -> torch.Tensor:
+    if rule.conv1d:
+        hf = [t.t() for t in hf]
+
+    def shard(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.chunk(tp, dim)[rank]
+
+    if rule.split is Split.REPLICATED:
+        return hf[0]
+    if rule.split is Split.COLUMN:
+        return shard(hf[0], 0)
+    if rule.split is Split.ROW:
+        return shard(hf[0], 1)
+    if rule.split is Split.VOCAB:
+        pad = arch.padded_vocab_size - hf[0].shape[0]
+        return shard(torch.cat([hf[0], hf[0].new_zeros(pad, *hf[0].shape[1:])]), 0)
+    if rule.split is Split.GATE_UP:
+        return torch.cat([shard(hf[0], 0), shard(hf[1], 0)])
+    q, k, v = hf if len(hf) == 3 else _split_fused_hf_qkv(hf[0], arch)
+    return shard(_interleave_qkv(q, k, v, arch), 0)
+
+
+def _split_fused_hf_qkv(qkv: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
+    """GPT-2's ``c_attn`` (already [out, in]) is [all q; all k; all v]."""
+    q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return list(qkv.split([q_rows, kv_rows, kv_rows]))
+
+
+def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: HFArch) -> torch.Tensor:
+    groups, d = arch.num_kv_heads, arch.head_dim
+    per_group = arch.num_heads // groups
+    rest = q.shape[1:]
+    fused = torch.cat([q.reshape(groups, per_group * d, *rest), k.reshape(groups, d, *rest),
+                       v.reshape(groups, d, *rest)], dim=1)
+    return fused.reshape(-1, *rest)
+
+
+# ----------------------------------------------------------------------------- Megatron -> HF
+
+
+def megatron_to_hf(shards: Sequence[StateDict], hf_config: Any, emit_tied_lm_head: bool = True) -> StateDict:
+    """Merge all TP shards (ordered by TP rank) into one HF state dict with HF names and layout."""
+    return dict(iter_megatron_to_hf(shards, hf_config, emit_tied_lm_head))
+
+
+def iter_megatron_to_hf(
+    shards: Sequence[StateDict], hf_config: Any, emit_tied_lm_head: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` in model order (embeddings, layer 0, 1, ..., head).
+
+    With tied embeddings HF also lists ``lm_head.weight`` (the same tensor as the embedding);
+    ``emit_tied_lm_head=False`` skips it, e.g. for inference engines that tie on load.
+    """
+    arch = describe_hf_config(hf_config, len(shards))
+    yield from _iter_hf(arch, lambda rule: [shard[rule.megatron] for shard in shards],
+                        emit_tied_lm_head)
+
+
+def _iter_hf(arch: HFArch, shards_of, emit_tied_lm_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drive ``_to_hf`` over every rule; ``shards_of(rule)`` returns that tensor's TP shards."""
+    for unit in weight_rules(arch):
+        for rule in unit:
+            yield from _to_hf(rule, shards_of(rule), arch)
+    if arch.tied_embeddings and emit_tied_lm_head:
+        rule = Rule("embedding.word_embeddings.weight", ("lm_head.weight",), Split.VOCAB)
+        yield from _to_hf(rule, shards_of(rule), arch)
+
+
+def _to_hf(rule: Rule, shards: list[torch.Tensor], arch: HFArch) -> Iterator[tuple[str, torch.Tensor]]:
+    if rule.split is Split.REPLICATED:
+        tensors = [shards[0]]
+    elif rule.split is Split.ROW:
+        tensors = [torch.cat(shards, dim=1)]
+    elif rule.split is Split.COLUMN:
+        tensors = [torch.cat(shards)]
+    elif rule.split is Split.VOCAB:
+        tensors = [torch.cat(shards)[: arch.vocab_size]]
+    elif rule.split is Split.GATE_UP:
+        halves = [s.chunk(2) for s in shards]
+        tensors = [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    else:
+        tensors = _deinterleave_qkv(torch.cat(shards), arch)
+        if len(rule.hf) == 1:
+            tensors = [torch.cat(tensors)]
+    for name, tensor in zip(rule.hf, tensors, strict=True):
+        yield name, (tensor.t() if rule.conv1d else tensor).contiguous()
+
+
+def _deinterleave_qkv(fused: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
+    groups, d = arch.num_kv_heads, arch.head_dim
+    per_group = arch.num_heads // groups
+    rest = fused.shape[1:]
+    q, k, v = fused.reshape(groups, (per_group + 2) * d, *rest).split([per_group * d, d, d], dim=1)
+    return [t.reshape(-1, *rest) for t in (q, k, v)]
+
+
+# ----------------------------------------------------------------------------- live model gather
+
+
+def iter_gathered_hf_weights(
+    model: torch.nn.Module, hf_config: Any, tp_group: Any, emit_tied_lm_head: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """All-gather the live model's TP shards one tensor at a time and yield full HF tensors.
+
+    ``model`` is the bare GPTModel (unprefixed state-dict names, not a DDP wrapper).
+    Collective: every rank of ``tp_group`` must drain the iterator in lockstep. Every rank gets the
+    full tensors; callers usually keep them on TP rank 0 only. Peak extra memory is one tensor.
+    """
+    tp_size = torch.distributed.get_world_size(tp_group)
+    arch = describe_hf_config(hf_config, tp_size)
+    local = model.state_dict()
+
+    def shards_of(rule: Rule) -> list[torch.Tensor]:
+        tensor = local[rule.megatron].detach()
+        if rule.split is Split.REPLICATED:
+            return [tensor]
+        return _all_gather(tensor, tp_group, tp_size)
+
+    yield from _iter_hf(arch, shards_of, emit_tied_lm_head)
+
+
+def gather_hf_state_dict(
+    model: torch.nn.Module, hf_config: Any, tp_group: Any, emit_tied_lm_head: bool = True
+) -> StateDict:
+    """The full HF state dict of the live TP-sharded model, on every rank of ``tp_group``."""
+    return dict(iter_gathered_hf_weights(model, hf_config, tp_group, emit_tied_lm_head))
+
+
+def _all_gather(tensor: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
+    tensor = tensor.contiguous()
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(out, tensor, group=group)
+    return out

@@ -1,0 +1,97 @@
+"""Everything megatron-core 0.16 needs to run a GPTModel on a CPU-only torch build, in one place.
+
+    from yatt_hpc.train import cpu_compat
+    cpu_compat.prepare_cpu_runtime(seed)      # after parallel_state.initialize_model_parallel
+    model = GPTModel(...)
+    cpu_compat.make_rope_cpu_safe(model)      # before the first forward
+
+Nothing here runs at import time, and every function returns without touching anything when CUDA
+is available: on a GPU machine megatron's own code paths are used unchanged. Each accommodation
+names the megatron source line it steps around, so it can be dropped when upstream fixes it.
+
+Not covered, because our trainer does not use them on CPU: ``get_forward_backward_func`` schedules,
+megatron ``DistributedDataParallel``, ``get_megatron_optimizer`` (literal ``"cuda"`` devices),
+``dist_checkpointing.save`` (CUDA sync), ``sequence_parallel`` (needs TE/Apex). The default causal
+mask (``transformer/utils.py::get_default_causal_mask`` builds it with ``device="cuda"``) is avoided
+by always passing an explicit mask, see ``megatron_model.causal_attention_mask``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.utils import GlobalMemoryBuffer
+
+
+def is_cpu_runtime() -> bool:
+    """True when megatron must be steered away from CUDA (a CPU-only build or no visible GPU)."""
+    return not torch.cuda.is_available()
+
+
+def prepare_cpu_runtime(seed: int) -> bool:
+    """Seed the RNG trackers and re-home the global scratch buffer on CPU; False (no-op) on CUDA.
+
+    Call once per process, after ``parallel_state.initialize_model_parallel``.
+    """
+    if not is_cpu_runtime():
+        return False
+    torch.manual_seed(seed)
+    # The default tracker seeds with torch.cuda.manual_seed and forks CUDA RNG states; the
+    # inference tracker is a plain-CPU stand-in (megatron/core/tensor_parallel/random.py).
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+    # Attention and TP all-gathers borrow scratch tensors from this buffer, which allocates with
+    # device=torch.cuda.current_device() (megatron/core/utils.py::GlobalMemoryBuffer.get_tensor).
+    buffer = parallel_state.get_global_memory_buffer()
+    if not isinstance(buffer, _CpuGlobalMemoryBuffer):
+        buffer.__class__ = _CpuGlobalMemoryBuffer
+    return True
+
+
+def make_rope_cpu_safe(model: torch.nn.Module) -> int:
+    """Keep every RoPE module of ``model`` on CPU; returns how many were changed (0 on CUDA).
+
+    ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()`` on its first
+    call whenever it sits on CPU, with no flag to stop it (rotary_pos_embedding.py, ``get_emb``).
+    The replacement class differs only by skipping that move; ``inv_freq`` (incl. Llama-3
+    scaling) is kept as computed by megatron.
+    """
+    if not is_cpu_runtime():
+        return 0
+    changed = 0
+    for module in model.modules():
+        if type(module) is RotaryEmbedding:
+            module.__class__ = _CpuRotaryEmbedding
+            changed += 1
+    return changed
+
+
+class _CpuGlobalMemoryBuffer(GlobalMemoryBuffer):
+    """``GlobalMemoryBuffer`` that allocates on the CPU instead of the current CUDA device."""
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        required_len = math.prod(tensor_shape)
+        buffer = self.buffer.get((name, dtype))
+        if buffer is None or buffer.numel() < required_len:
+            buffer = torch.empty(required_len, dtype=dtype, device="cpu", requires_grad=False)
+            self.buffer[(name, dtype)] = buffer
+        return buffer[:required_len].view(*tensor_shape)
+
+
+class _CpuRotaryEmbedding(RotaryEmbedding):
+    """``RotaryEmbedding`` whose ``get_emb`` leaves ``inv_freq`` where it is.
+
+    The body mirrors megatron-core 0.16.1 ``RotaryEmbedding.get_emb`` minus its first two lines
+    (the CUDA move); ``forward``'s lru_cache and CP slicing are inherited unchanged.
+    """
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(
+                freqs.shape[0], -1
+            )
+        return emb[:, None, None, :]

@@ -1,0 +1,160 @@
+"""What a Hugging Face causal-LM config means for a Megatron GPTModel: one frozen description.
+
+    from yatt_hpc.train.hf_arch import describe_hf_config
+    arch = describe_hf_config(transformers.AutoConfig.from_pretrained(path), tp_size=2)
+
+Both the model builder (``megatron_model.py``) and the weight converter (``convert.py``) read this
+description, so the two can never disagree about head counts, biases, tying or vocab padding. It
+imports neither torch nor megatron: it is plain arithmetic on the config.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+Family = Literal["gpt2", "llama", "qwen2"]
+SUPPORTED_MODEL_TYPES: tuple[Family, ...] = ("gpt2", "llama", "qwen2")
+
+
+@dataclasses.dataclass(frozen=True)
+class HFArch:
+    """The architecture facts that the Megatron model and the weight layout depend on."""
+
+    family: Family
+    """HF ``model_type``: selects the weight-name table and the block style."""
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    """Query groups (GQA); equal to ``num_heads`` for multi-head attention."""
+    head_dim: int
+    vocab_size: int
+    """The tokenizer's vocabulary as HF stores it (rows of ``embed_tokens``)."""
+    padded_vocab_size: int
+    """``vocab_size`` rounded up so every TP rank holds the same number of rows."""
+    max_positions: int
+    tied_embeddings: bool
+    norm_eps: float
+    activation: str
+    """HF's activation name (``gelu_new``, ``silu`` ...), resolved through ``ACT2FN``."""
+    linear_bias: bool
+    """Biases on every linear layer (GPT-2)."""
+    qkv_bias: bool
+    """Biases on the Q/K/V projections only (Qwen2), or on them as part of ``linear_bias``."""
+    rope_theta: float | None
+    """None for learned absolute positions (GPT-2)."""
+    rope_scaling_factor: float | None
+    """Llama-3 style frequency scaling factor, None when the config asks for plain RoPE."""
+
+    @property
+    def gated_mlp(self) -> bool:
+        """SwiGLU MLPs fuse gate and up projections into Megatron's ``linear_fc1``."""
+        return self.family != "gpt2"
+
+
+def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Round up to a multiple of ``tp_size``: Megatron's vocab-parallel embedding splits rows evenly."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def describe_hf_config(hf_config: Any, tp_size: int) -> HFArch:
+    """Read an HF ``PretrainedConfig`` into an :class:`HFArch`; raise for what we cannot express."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"hf_config.model_type={model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    arch = _describe_gpt2(hf_config, tp_size) if model_type == "gpt2" else _describe_rope_family(
+        hf_config, tp_size
+    )
+    _check_tp_divisibility(arch, tp_size)
+    return arch
+
+
+def _describe_gpt2(c: Any, tp_size: int) -> HFArch:
+    if not c.scale_attn_weights or c.scale_attn_by_inverse_layer_idx:
+        raise NotImplementedError(
+            "GPT-2 attention scaling must be plain 1/sqrt(head_dim): need scale_attn_weights=True "
+            "and scale_attn_by_inverse_layer_idx=False"
+        )
+    return HFArch(
+        family="gpt2",
+        num_layers=c.n_layer,
+        hidden_size=c.n_embd,
+        ffn_hidden_size=c.n_inner or 4 * c.n_embd,
+        num_heads=c.n_head,
+        num_kv_heads=c.n_head,
+        head_dim=c.n_embd // c.n_head,
+        vocab_size=c.vocab_size,
+        padded_vocab_size=pad_vocab_size(c.vocab_size, tp_size),
+        max_positions=c.n_positions,
+        tied_embeddings=bool(c.tie_word_embeddings),
+        norm_eps=c.layer_norm_epsilon,
+        activation=c.activation_function,
+        linear_bias=True,
+        qkv_bias=True,
+        rope_theta=None,
+        rope_scaling_factor=None,
+    )
+
+
+def _describe_rope_family(c: Any, tp_size: int) -> HFArch:
+    family: Family = c.model_type
+    if c.hidden_act != "silu":
+        raise NotImplementedError(f"{family}: hidden_act={c.hidden_act!r}; only 'silu' (SwiGLU) maps")
+    if getattr(c, "pretraining_tp", 1) != 1:
+        raise NotImplementedError(f"{family}: pretraining_tp={c.pretraining_tp}; only 1 maps")
+    if getattr(c, "use_sliding_window", False):
+        raise NotImplementedError(f"{family}: use_sliding_window=True has no Megatron local-spec twin")
+    if family == "llama" and (c.attention_bias or c.mlp_bias):
+        # Megatron's add_bias_linear covers o_proj and the MLP together; Llama's flags split them.
+        raise NotImplementedError("llama: attention_bias/mlp_bias must both be False")
+    theta, scaling = _rope_parameters(c)
+    heads = c.num_attention_heads
+    return HFArch(
+        family=family,
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        ffn_hidden_size=c.intermediate_size,
+        num_heads=heads,
+        num_kv_heads=c.num_key_value_heads or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        vocab_size=c.vocab_size,
+        padded_vocab_size=pad_vocab_size(c.vocab_size, tp_size),
+        max_positions=c.max_position_embeddings,
+        tied_embeddings=bool(c.tie_word_embeddings),
+        norm_eps=c.rms_norm_eps,
+        activation=c.hidden_act,
+        linear_bias=False,
+        qkv_bias=family == "qwen2",
+        rope_theta=theta,
+        rope_scaling_factor=scaling,
+    )
+
+
+def _rope_parameters(c: Any) -> tuple[float, float | None]:
+    """transformers 5 keeps RoPE settings in ``rope_parameters``; 4.x in ``rope_theta``/``rope_scaling``."""
+    params = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    theta = float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    # Megatron hard-codes Llama-3.1's low/high frequency factors and 8192 original positions.
+    llama3_fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+    if rope_type == "llama3" and all(float(params.get(k, -1)) == v for k, v in llama3_fixed.items()):
+        return theta, float(params["factor"])
+    raise NotImplementedError(
+        f"rope type {rope_type!r} with {params} is not expressible in Megatron's RotaryEmbedding; "
+        f"supported: 'default', or 'llama3' with {llama3_fixed}"
+    )
+
+
+def _check_tp_divisibility(arch: HFArch, tp_size: int) -> None:
+    for field in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
+        value = getattr(arch, field)
+        if value % tp_size:
+            raise ValueError(f"{field}={value} is not divisible by tp_size={tp_size}; pick a tp_size "
+                             f"that divides it")
