@@ -37,7 +37,7 @@ setup(
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5"],
-        "gpu": ["sglang>=0.5"],
+        "gpu": ["sglang>=0.5.3", "torch_memory_saver"],  # 0.5.3: sampling_seed, weights CPU backup
     },
     entry_points={"console_scripts": ["yatt-hpc=yatt_hpc.cli:main"]},
 )

@@ -1,0 +1,219 @@
+"""The inference-engine interface every rollout controller talks to.
+
+Use it (any kind; the controller code does not change between them):
+
+    from yatt_hpc.rollout import GenerationRequest, build_engine
+
+    engine = build_engine("hf", "/path/to/hf_model", device="cpu", tp_size=1, seed=0)
+    results = engine.generate([GenerationRequest(sample_id=0, prompt_ids=[1, 2, 3], max_new_tokens=32)])
+    engine.update_weights(bucket_0, final=False)   # buckets of (hf_name, tensor) from the trainer
+    engine.update_weights(bucket_1, final=True)    # the last bucket of a version
+    engine.shutdown()
+
+Tests: ``pytest tests/unit/test_hf_engine.py`` (CPU) and ``pytest tests/gpu/test_sglang_engine.py`` (CUDA + sglang).
+
+One rollout rank (an MPI process) owns one engine replica. ``hf`` is transformers (CPU, or one GPU);
+``sglang`` is SGLang's offline ``sglang.Engine`` (GPUs, tensor parallel). Both return, per sampled token,
+its log-probability under the temperature-scaled full-vocabulary distribution, so the trainer's "old
+logprobs" mean the same thing whichever engine produced them.
+"""
+
+from __future__ import annotations
+
+import abc
+import difflib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from typing_extensions import Self  # noqa: UP035 - typing.Self is 3.11+, setup.py allows 3.10
+
+FinishReason = Literal["stop", "length", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+ENGINE_KINDS: tuple[str, ...] = ("hf", "sglang")
+
+# Seeds travel to SGLang as int64 and into torch.Generator.manual_seed; below 2**63 suits both.
+_SEED_LIMIT = 2**63
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt to sample one response for.
+
+    ``seed`` makes the sample reproducible on its own: the same request with the same seed gives the
+    same tokens whatever else is in the batch and in whatever order requests arrive (bit-exact for
+    ``hf``; for ``sglang`` only with ``deterministic=True``, see ``sglang_engine``). ``None`` derives a
+    seed from the engine seed and ``sample_id`` (see :meth:`effective_seed`).
+    """
+
+    sample_id: int
+    """Caller's id for the sample; echoed in the result, also used to derive a seed when ``seed`` is None."""
+    prompt_ids: np.ndarray
+    """Prompt token ids (any int sequence; stored as a 1-D int32 array)."""
+    max_new_tokens: int
+    """Most response tokens to sample (the eos token, when sampled, counts)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax), whose logprobs are then those at temperature 1."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 samples from the whole vocabulary."""
+    seed: int | None = None
+    """Per-sample sampling seed in [0, 2**63), or None to derive one."""
+
+    def __post_init__(self) -> None:
+        ids = np.asarray(self.prompt_ids)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(
+                f"GenerationRequest(sample_id={self.sample_id}).prompt_ids must be a non-empty 1-D sequence "
+                f"of token ids, got shape {ids.shape} dtype {ids.dtype}"
+            )
+        if ids.min() < 0:
+            raise ValueError(f"GenerationRequest(sample_id={self.sample_id}).prompt_ids has a negative id {ids.min()}")
+        object.__setattr__(self, "prompt_ids", ids.astype(np.int32, copy=True))
+        checks = (
+            ("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 1, "an int >= 1"),
+            ("temperature", self.temperature, self.temperature >= 0.0, "a float >= 0 (0 = greedy)"),
+            ("top_p", self.top_p, 0.0 < self.top_p <= 1.0, "a float in (0, 1]"),
+            ("seed", self.seed, self.seed is None or 0 <= self.seed < _SEED_LIMIT, "None or an int in [0, 2**63)"),
+        )
+        for field, value, ok, want in checks:
+            if not ok:
+                raise ValueError(f"GenerationRequest(sample_id={self.sample_id}).{field}={value!r}; it must be {want}")
+
+    def effective_seed(self, engine_seed: int) -> int:
+        """The seed this request samples with: ``seed``, or one mixed from (engine_seed, sample_id).
+
+        SeedSequence mixing keeps neighbouring sample ids from getting correlated streams.
+        """
+        if self.seed is not None:
+            return int(self.seed)
+        mixed = np.random.SeedSequence([int(engine_seed) & 0xFFFFFFFF, int(self.sample_id) & 0xFFFFFFFF])
+        return int(mixed.generate_state(1, dtype=np.uint64)[0] % _SEED_LIMIT)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """The response sampled for one :class:`GenerationRequest`.
+
+    ``logprobs[i]`` is ``log_softmax(logits / temperature)[response_ids[i]]`` over the whole vocabulary
+    (temperature 1 for greedy): what the trainer recomputes from the same weights. Top-p truncation is
+    not folded in, as in SGLang's default; at ``top_p=1`` it is exactly the sampling distribution.
+    A ``stop`` response ends with the stop (eos) token it sampled; nothing after it is returned.
+    """
+
+    sample_id: int
+    prompt_ids: np.ndarray
+    """int32, the request's prompt."""
+    response_ids: np.ndarray
+    """int32, the sampled tokens (may be empty only for ``abort``)."""
+    logprobs: np.ndarray
+    """float32, same length as ``response_ids``."""
+    finish_reason: FinishReason
+    """``stop`` (sampled a stop token), ``length`` (hit max_new_tokens) or ``abort`` (cut by ``abort()``)."""
+    weight_version: int
+    """The engine's ``weight_version`` while this response was sampled."""
+
+    def __post_init__(self) -> None:
+        assert self.finish_reason in FINISH_REASONS, self.finish_reason
+        assert self.response_ids.dtype == np.int32 and self.logprobs.dtype == np.float32
+        assert self.response_ids.shape == self.logprobs.shape, (self.response_ids.shape, self.logprobs.shape)
+
+
+class BaseEngine(abc.ABC):
+    """One inference-engine replica, driven by one rollout rank.
+
+    Lifecycle for colocation (engine and trainer share the accelerator)::
+
+        generate(...) -> release_memory() -> [trainer steps] -> update_weights(..., final=True)
+                      -> resume_memory() -> generate(...)
+
+    ``update_weights`` is allowed while released. Between the first bucket of a version and its
+    ``final`` bucket the weights are a mix of two versions, so ``generate`` refuses to run then.
+    """
+
+    @abc.abstractmethod
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Sample one response per request; results come back in request order. Blocks until done."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Stop the generation in flight (called from another thread than the one in ``generate``).
+
+        Unfinished requests come back with ``finish_reason="abort"`` and the tokens sampled so far.
+        A call while nothing is generating does nothing (it does not poison the next ``generate``).
+        """
+
+    @abc.abstractmethod
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, final: bool, version: int | None = None
+    ) -> None:
+        """Load one bucket of ``(hf_name, tensor)`` pairs into the live model.
+
+        Called once per bucket; ``final=True`` on the last bucket of a version, after which the engine
+        may flush caches and ``weight_version`` becomes ``version`` (or the previous one plus 1).
+        A name the model does not have, or a shape that does not match, raises ``ValueError`` before
+        any tensor of that bucket is loaded.
+        """
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """Version of the weights being served: 0 as loaded from ``model_dir``, then set by ``final`` buckets."""
+
+    @abc.abstractmethod
+    def release_memory(self) -> None:
+        """Give the accelerator memory (weights and any KV cache) back so the trainer can use it."""
+
+    @abc.abstractmethod
+    def resume_memory(self) -> None:
+        """Take the memory back: weights first, KV cache after.
+
+        Why this order: a KV cache is sized from the memory it finds free, and the weights (plus any
+        staging copy an update makes) must already be in place by then, or the wake-up OOMs, as in
+        colocated NeMo-RL#191 and verl PR#729.
+        """
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Free everything; the engine is unusable afterwards. Calling it twice is harmless."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+def validate_bucket(bucket: Sequence[tuple[str, torch.Tensor]], known_shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise ``ValueError`` for the first name not in ``known_shapes`` or tensor of another shape.
+
+    Engines call it before loading any tensor of the bucket, so a bad bucket changes nothing.
+    """
+    for name, tensor in bucket:
+        if name not in known_shapes:
+            near = difflib.get_close_matches(name, list(known_shapes), n=3)
+            hint = f"; close names: {', '.join(near)}" if near else ""
+            raise ValueError(f"update_weights: unknown weight name {name!r} (model has {len(known_shapes)} tensors){hint}")
+        if tuple(tensor.shape) != tuple(known_shapes[name]):
+            raise ValueError(
+                f"update_weights: shape mismatch for {name!r}: model has {tuple(known_shapes[name])}, "
+                f"got {tuple(tensor.shape)}"
+            )
+
+
+def build_engine(kind: str, model_dir: str, *, device: str, tp_size: int, seed: int, **opts: object) -> BaseEngine:
+    """Build an engine of ``kind`` (one of ``ENGINE_KINDS``) serving the HF checkpoint in ``model_dir``.
+
+    ``opts`` go to the engine's constructor (see ``HFEngine`` and ``SGLangEngine`` for theirs).
+    The engine modules are imported here, so ``import yatt_hpc.rollout`` never needs sglang.
+    """
+    if kind == "hf":
+        from yatt_hpc.rollout.hf_engine import HFEngine
+
+        return HFEngine(model_dir, device=device, tp_size=tp_size, seed=seed, **opts)
+    if kind == "sglang":
+        from yatt_hpc.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(model_dir, device=device, tp_size=tp_size, seed=seed, **opts)
+    raise ValueError(f"unknown engine kind {kind!r}; valid kinds: {', '.join(ENGINE_KINDS)}")

@@ -1,0 +1,261 @@
+"""SGLang-backed rollout engine: the GPU path, one offline ``sglang.Engine`` per rollout rank.
+
+Run it:   build_engine("sglang", model_dir, device="cuda", tp_size=2, seed=0)   (see engine.py)
+Needs:    a CUDA machine with ``pip install -e '.[gpu]'`` (SGLang >= 0.5.3, and ``torch_memory_saver`` for
+          ``release_memory``). Importing this module never imports sglang; constructing the engine does.
+Test it:  .venv/bin/python -m pytest tests/gpu/test_sglang_engine.py   (skips without CUDA + sglang)
+
+How the contract maps onto SGLang (source read: sglang/srt/entrypoints/engine.py, layers/sampler.py):
+
+* ``generate`` sends token ids (``skip_tokenizer_init=True``: no detokenizing) with ``return_logprob=True``.
+  Tokens and logprobs are read from ``meta_info["output_token_logprobs"]`` (one ``(logprob, id, text)``
+  per sampled token, eos included). SGLang's default logprob is ``log(softmax(logits / T))`` over the
+  whole vocabulary, before top-p: the same quantity ``HFEngine`` returns.
+* Per-request seeds need ``deterministic=True``: it sets ``enable_deterministic_inference`` (batch-
+  invariant kernels) and the pytorch sampling backend, and sends ``sampling_seed`` (flashinfer sampling
+  rejects it). Without it the engine's ``random_seed`` applies and results depend on batching, which is
+  SGLang's normal trade of reproducibility for speed.
+* ``abort`` schedules ``tokenizer_manager.abort_request(abort_all=True)`` on the engine's event loop from
+  the calling thread (``generate`` blocks in ``loop.run_until_complete``); aborted requests come back
+  with finish reason ``abort`` and their tokens so far.
+* ``update_weights`` -> ``update_weights_from_tensor(bucket, flush_cache=final)``: the radix cache is
+  flushed once per version, not per bucket. Names and shapes are checked first against the checkpoint's
+  safetensors headers (SGLang's loaders take checkpoint names). For tied embeddings SGLang skips
+  ``lm_head.weight``: send the embedding, as ``save_pretrained`` and Megatron-to-HF converters do.
+* ``release_memory`` releases weights, KV cache and CUDA graphs (``enable_memory_saver=True``);
+  ``resume_memory`` takes the weights back first, then KV cache and CUDA graphs, so the peak is weights
+  + cache. An ``update_weights`` while released resumes just the weights before loading into them.
+  ``weights_cpu_backup=True`` keeps a host copy so release/resume without an update keeps the weights;
+  colocated loops that always update after resume can turn it off to save host memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import threading
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from yatt_hpc.rollout.engine import (
+    BaseEngine,
+    GenerationRequest,
+    GenerationResult,
+    validate_bucket,
+)
+
+_INSTALL_HINT = (
+    "engine 'sglang' needs SGLang on a CUDA machine: install the GPU extra with "
+    "`pip install -e '.[gpu]'` (yatt-hpc[gpu]); on a CPU-only machine use engine 'hf'"
+)
+# Memory tags of sglang.srt.constants (GPU_MEMORY_TYPE_*); resume order matters, see module docstring.
+_WEIGHTS, _KV_CACHE, _CUDA_GRAPH = "weights", "kv_cache", "cuda_graph"
+
+
+def checkpoint_tensor_shapes(model_dir: str) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes in ``model_dir``'s safetensors files, read from their headers (no tensor loads).
+
+    A tied ``lm_head.weight`` that the checkpoint omits is listed with the embedding's shape, so a
+    trainer that sends it passes validation (SGLang then ignores it: it is the embedding).
+    """
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"engine 'sglang': no *.safetensors in model_dir={model_dir!r}; save with safe_serialization=True")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    config = _read_config(model_dir)
+    text = config.get("text_config", config)
+    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", True))
+    if tied and "lm_head.weight" not in shapes:
+        embeddings = [name for name in shapes if name.endswith(("embed_tokens.weight", "wte.weight"))]
+        if len(embeddings) == 1:
+            shapes["lm_head.weight"] = shapes[embeddings[0]]
+    return shapes
+
+
+def _read_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def result_from_sglang_output(request: GenerationRequest, output: dict, weight_version: int) -> GenerationResult:
+    """Turn one ``sglang.Engine.generate`` output dict into a :class:`GenerationResult`."""
+    meta = output["meta_info"]
+    pairs = meta.get("output_token_logprobs") or []
+    reason = (meta.get("finish_reason") or {}).get("type")
+    return GenerationResult(
+        sample_id=request.sample_id,
+        prompt_ids=request.prompt_ids,
+        response_ids=np.asarray([int(token) for _, token, *_ in pairs], dtype=np.int32),
+        logprobs=np.asarray([float(logprob) for logprob, *_ in pairs], dtype=np.float32),
+        # SGLang reports errors (e.g. a request it rejected) as aborts too; anything unfinished is one.
+        finish_reason=reason if reason in ("stop", "length") else "abort",
+        weight_version=weight_version,
+    )
+
+
+class SGLangEngine(BaseEngine):
+    """One ``sglang.Engine`` (tp_size GPUs from ``device``'s index on) behind ``BaseEngine``."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        device: str = "cuda",
+        tp_size: int = 1,
+        seed: int = 0,
+        mem_fraction_static: float = 0.8,
+        enable_memory_saver: bool = True,
+        weights_cpu_backup: bool = True,
+        deterministic: bool = False,
+        dtype: str = "auto",
+        **engine_kwargs: object,
+    ) -> None:
+        """``engine_kwargs`` go to ``sglang.Engine`` unchanged (any ``ServerArgs`` field)."""
+        target = torch.device(device)
+        if target.type != "cuda":
+            raise ValueError(f"engine 'sglang' runs on CUDA devices only, got device={device!r}; use engine 'hf' on CPU")
+        try:
+            import sglang
+        except ImportError as error:
+            raise ImportError(_INSTALL_HINT) from error
+        self._shapes = checkpoint_tensor_shapes(model_dir)
+        self._seed = seed
+        self._deterministic = deterministic
+        self._memory_saver = enable_memory_saver
+        kwargs: dict[str, object] = {
+            "model_path": model_dir,
+            "tp_size": tp_size,
+            "random_seed": seed,
+            "mem_fraction_static": mem_fraction_static,
+            "enable_memory_saver": enable_memory_saver,
+            "dtype": dtype,
+            "skip_tokenizer_init": True,  # token ids in and out: no detokenizer work
+        }
+        if target.index is not None:
+            kwargs["base_gpu_id"] = target.index
+        if enable_memory_saver and weights_cpu_backup:
+            kwargs["enable_weights_cpu_backup"] = True
+        if deterministic:
+            kwargs.update(enable_deterministic_inference=True, sampling_backend="pytorch")
+        kwargs.update(engine_kwargs)
+        self._engine = sglang.Engine(**kwargs)
+        self._version = 0
+        self._mid_update = False
+        self._released: set[str] = set()
+        self._lock = threading.Lock()
+        self._in_flight = False
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        self._check_ready()
+        if not requests:
+            return []
+        with self._lock:
+            assert not self._in_flight, "SGLangEngine.generate is not re-entrant"
+            self._in_flight = True
+        try:
+            outputs = self._engine.generate(
+                input_ids=[r.prompt_ids.tolist() for r in requests],
+                sampling_params=[self._sampling_params(r) for r in requests],
+                return_logprob=True,
+            )
+        finally:
+            with self._lock:
+                self._in_flight = False
+        return [result_from_sglang_output(r, out, self._version) for r, out in zip(requests, outputs)]
+
+    def _sampling_params(self, request: GenerationRequest) -> dict:
+        params = {"max_new_tokens": request.max_new_tokens, "temperature": request.temperature, "top_p": request.top_p}
+        if self._deterministic:
+            params["sampling_seed"] = request.effective_seed(self._seed)
+        return params
+
+    def abort(self) -> None:
+        with self._lock:
+            if self._in_flight:
+                manager = self._engine.tokenizer_manager
+                self._engine.loop.call_soon_threadsafe(functools.partial(manager.abort_request, abort_all=True))
+
+    # -- weights ------------------------------------------------------------------------------------
+
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, final: bool, version: int | None = None
+    ) -> None:
+        self._check_alive()
+        bucket = list(named_tensors)
+        validate_bucket(bucket, self._shapes)
+        if _WEIGHTS in self._released:
+            self._resume([_WEIGHTS])
+        self._mid_update = True
+        if bucket:
+            success, message = self._engine.update_weights_from_tensor(
+                named_tensors=bucket, load_format=None, flush_cache=final
+            )
+            if not success:
+                raise RuntimeError(f"SGLang update_weights_from_tensor failed: {message}")
+        elif final:
+            self._engine.flush_cache()  # an empty final bucket still ends the version: drop stale prefixes
+        if final:
+            self._version = self._version + 1 if version is None else int(version)
+            self._mid_update = False
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    # -- memory and lifecycle -----------------------------------------------------------------------
+
+    def release_memory(self) -> None:
+        self._check_alive()
+        if not self._memory_saver:
+            raise RuntimeError("SGLangEngine.release_memory needs the engine built with enable_memory_saver=True")
+        if not self._released:
+            self._engine.release_memory_occupation()
+            self._released = {_WEIGHTS, _KV_CACHE, _CUDA_GRAPH}
+
+    def resume_memory(self) -> None:
+        """Weights first (unless an update already brought them back), then KV cache and CUDA graphs."""
+        self._check_alive()
+        if _WEIGHTS in self._released:
+            self._resume([_WEIGHTS])
+        if self._released:
+            self._resume(sorted(self._released))
+
+    def _resume(self, tags: list[str]) -> None:
+        self._engine.resume_memory_occupation(tags=tags)
+        self._released -= set(tags)
+
+    def shutdown(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is None:
+            return
+        self._engine = None
+        engine.shutdown()
+
+    def _check_alive(self) -> None:
+        if self._engine is None:
+            raise RuntimeError("SGLangEngine was shut down; build a new engine")
+
+    def _check_ready(self) -> None:
+        self._check_alive()
+        if self._released:
+            raise RuntimeError("SGLangEngine.generate after release_memory(); call resume_memory() first")
+        if self._mid_update:
+            raise RuntimeError(
+                "SGLangEngine.generate during a weight update: buckets arrived without a final=True bucket, "
+                "so the weights mix two versions"
+            )
