@@ -15,12 +15,11 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from yatt_hpc.config import ConfigError, RunConfig, load_config, to_yaml
-from yatt_hpc.placement import Plan, PlanError, plan
+from yatt_hpc.config import RunConfig, load_config, to_yaml
+from yatt_hpc.placement import Plan, plan
 
 EXIT_USER_ERROR = 2
 EXIT_NOT_IMPLEMENTED = 3
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, PlanError)
 
 
 class UserError(click.ClickException):
@@ -31,9 +30,12 @@ class _Group(click.Group):
     """Turns every known user error into one `error: ...` message and exit code 2."""
 
     def invoke(self, ctx: click.Context):
+        from yatt_hpc.control.inputs import USER_ERRORS
+        from yatt_hpc.launch.local import LaunchError
+
         try:
             return super().invoke(ctx)
-        except USER_ERRORS as err:
+        except USER_ERRORS + (LaunchError,) as err:
             raise UserError(str(err)) from None
 
 
@@ -79,11 +81,20 @@ def config_docs() -> None:
 @click.argument("config_path", metavar="CONFIG")
 @_overrides
 @click.option("--run-dir", default="RUN_DIR", show_default=True, help="Run directory shown in the launch line.")
-def plan_cmd(config_path: str, overrides: tuple[str, ...], run_dir: str) -> None:
+@click.option("--sbatch", "as_sbatch", is_flag=True, help="Print the equivalent sbatch script instead.")
+def plan_cmd(config_path: str, overrides: tuple[str, ...], run_dir: str, as_sbatch: bool) -> None:
     """Show where every group runs and the exact launch `run`/`submit` would perform."""
     from yatt_hpc.placement.show import print_plan
 
-    _, p = load_and_plan(config_path, overrides)
+    cfg, p = load_and_plan(config_path, overrides)
+    if as_sbatch:
+        from yatt_hpc.launch.sbatch import SbatchError, render_sbatch
+
+        try:
+            click.echo(render_sbatch(cfg, p, run_dir, sys.executable), nl=False)
+        except SbatchError as err:
+            raise UserError(str(err)) from None
+        return
     console = Console()
     if not console.is_terminal:
         console = Console(width=140)  # pipes and logs: keep table rows on one line
@@ -99,20 +110,138 @@ def _not_implemented(verb: str, issue: str):
     return command
 
 
+@main.command("run")
+@click.argument("config_path", metavar="CONFIG")
+@click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory for config.yaml, logs/, tb/, metrics and checkpoints.")
+@_overrides
+def run_cmd(config_path: str, run_dir: Path, overrides: tuple[str, ...]) -> None:
+    """Run CONFIG: one MPI world (mpirun here, srun --mpi=pmix inside a Slurm allocation)."""
+    from yatt_hpc.control.inputs import check_model_dirs
+    from yatt_hpc.launch.local import launch_run
+
+    cfg, p = load_and_plan(config_path, overrides)
+    check_model_dirs(cfg)
+    code = launch_run(cfg, p, run_dir)
+    if code:
+        click.echo(f"yatt-hpc run: the job failed (exit {code}); per-rank logs are in {run_dir / 'logs'}", err=True)
+    sys.exit(code)
+
+
+@main.command("tb")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--port", default=6006, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+def tb_cmd(run_dir: Path, port: int, host: str) -> None:
+    """Start TensorBoard on RUN_DIR/tb and print its URL (Ctrl-C stops it)."""
+    import subprocess
+
+    logdir = run_dir / "tb"
+    if not logdir.is_dir():
+        raise UserError(f"{logdir} does not exist: RUN_DIR must be a yatt-hpc run directory with logging.tensorboard on")
+    exe = Path(sys.executable).with_name("tensorboard")
+    click.echo(f"TensorBoard for {logdir}: http://{host}:{port}/")
+    sys.exit(subprocess.call([str(exe), "--logdir", str(logdir), "--port", str(port), "--host", host]))
+
+
+@main.command("report")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def report_cmd(run_dir: Path) -> None:
+    """Write RUN_DIR/report.png (reward, accuracy, KL, phase times) and print a text summary."""
+    from yatt_hpc.metrics.report import ReportError, text_summary, write_report
+
+    try:
+        out = write_report(run_dir)
+        click.echo(text_summary(run_dir))
+    except ReportError as err:
+        raise UserError(str(err)) from None
+    click.echo(f"report: {out}")
+
+
+def _slurm_errors(fn):
+    """Slurm verbs: one-line `Error: ...` and exit 2 for everything the user has to fix."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from yatt_hpc.launch.jobs import SlurmError
+        from yatt_hpc.launch.sbatch import SbatchError
+
+        try:
+            return fn(*args, **kwargs)
+        except (SlurmError, SbatchError) as err:
+            raise UserError(str(err)) from None
+    return wrapper
+
+
+@main.command("submit")
+@click.argument("config_path", metavar="CONFIG")
+@click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory for config.yaml, logs/, tb/, metrics, checkpoints and submitit's files.")
+@_overrides
+@click.option("--dry-run", is_flag=True, help="Print the exact sbatch script; submit nothing.")
+@click.option("--wait", is_flag=True, help="Wait until the job ends; exit 0 only if it COMPLETED.")
+@_slurm_errors
+def submit_cmd(config_path: str, run_dir: Path, overrides: tuple[str, ...], dry_run: bool, wait: bool) -> None:
+    """Submit CONFIG to Slurm (through submitit): one het component per group when disjoint."""
+    from yatt_hpc.launch.submitit_exec import dry_run_text, submit_command
+
+    cfg, p = load_and_plan(config_path, overrides)
+    if dry_run:
+        click.echo(dry_run_text(cfg, p, run_dir), nl=False)
+        return
+    sys.exit(submit_command(cfg, p, run_dir, wait, click.echo))
+
+
+@main.command("status")
+@click.argument("job", required=False)
+@_slurm_errors
+def status_cmd(job: str | None) -> None:
+    """Show JOB per het component and step (sacct), or the last day's jobs."""
+    from yatt_hpc.launch.jobs import print_status, require_slurm
+
+    require_slurm("status")
+    print_status(job, Console(width=None if Console().is_terminal else 160))
+
+
+@main.command("logs")
+@click.argument("job", metavar="JOB|RUN_DIR")
+@click.option("--group", type=click.Choice(["trainer", "rollout", "genrm"]), help="Show this group's rank logs.")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new lines until the job ends.")
+@_slurm_errors
+def logs_cmd(job: str, group: str | None, follow: bool) -> None:
+    """Print a job's launcher logs (one per restart), or with --group its ranks' logs."""
+    from yatt_hpc.launch.jobs import find_logs, require_slurm, show_logs
+
+    require_slurm("logs")
+    try:
+        show_logs(find_logs(job), group, follow)
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command("cancel")
+@click.argument("job")
+@_slurm_errors
+def cancel_cmd(job: str) -> None:
+    """Cancel JOB (all het components and steps)."""
+    from yatt_hpc.launch.jobs import cancel, require_slurm
+
+    require_slurm("cancel")
+    cancel(job)
+    click.echo(f"cancelled job {job}; `yatt-hpc status {job}` shows it leave the queue")
+
+
 _PENDING = {
-    "run": ("Run a job locally (mpirun) or inside a Slurm allocation.", "the spine issue, #3"),
-    "submit": ("Submit a run to Slurm through submitit.", "the Slurm-launch issue, #4"),
-    "status": ("Show a job's state per group and step.", "the Slurm-launch issue, #4"),
-    "cancel": ("Cancel a job.", "the Slurm-launch issue, #4"),
-    "logs": ("Show a job's logs.", "the Slurm-launch issue, #4"),
-    "ckpt": ("List, verify and export checkpoints.", "the checkpoint issue, #5"),
-    "tb": ("Start TensorBoard on a run directory.", "the spine issue, #3"),
-    "report": ("Write a run's report (PNG) and print a summary.", "the spine issue, #3"),
 }
 for _verb, (_help, _issue) in _PENDING.items():
     main.command(_verb, help=f"{_help} [not implemented yet]",
                  context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(
         click.argument("args", nargs=-1, type=click.UNPROCESSED)(_not_implemented(_verb, _issue)))
+
+from yatt_hpc.ckpt.cli import ckpt as _ckpt_group  # noqa: E402 - `yatt-hpc ckpt list|verify|export-hf`
+
+main.add_command(_ckpt_group)
 
 
 if __name__ == "__main__":  # pragma: no cover

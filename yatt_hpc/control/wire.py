@@ -49,6 +49,14 @@ class SampleBatch:
     genrm_score: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     parse_fail: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
 
+    def __post_init__(self) -> None:
+        # per-sample columns not given yet (e.g. rewards of a prompt batch) start as zeros
+        n = len(self)
+        for f in fields(self):
+            col = getattr(self, f.name)
+            if f.name not in RAGGED and n and col.size == 0:
+                setattr(self, f.name, np.zeros(n, dtype=col.dtype))
+
     def __len__(self) -> int:
         return int(self.sample_id.shape[0])
 
@@ -114,6 +122,23 @@ def recv_batch(comm, source: int, tag: int, poll_s: float = 0.002) -> tuple[Samp
         if size:
             comm.Recv(cols[c], source=sender, tag=tag)
     return SampleBatch(**cols), sender
+
+
+def bcast_batch(comm, batch: SampleBatch | None, root: int = 0) -> SampleBatch:
+    """Broadcast a batch from `root` to every rank of `comm` (e.g. a replica's TP peers), as buffers."""
+    if comm.Get_size() == 1:
+        return batch
+    is_root = comm.Get_rank() == root
+    header = np.array([len(batch)] + [getattr(batch, c).size for c in _COLUMNS] if is_root else
+                      [0] * (1 + len(_COLUMNS)), dtype=np.int64)
+    comm.Bcast(header, root=root)
+    cols = {}
+    for c, size in zip(_COLUMNS, header[1:]):
+        cols[c] = (np.ascontiguousarray(getattr(batch, c), dtype=_DTYPES[c]) if is_root
+                   else np.empty(int(size), dtype=_DTYPES[c]))
+        if size:
+            comm.Bcast(cols[c], root=root)
+    return batch if is_root else SampleBatch(**cols)
 
 
 def wait_for_message(comm, source: int, tag: int, status=None, poll_s: float = 0.002) -> None:

@@ -1,0 +1,63 @@
+"""The GenRM group's controller: one per judge replica.
+
+    ctl = GenRMController(world, cfg, stats)
+    ctl.step(step)     # receive generated samples -> judge + rule verifier -> scored samples to owners
+
+The judge generates a verdict text per (question, response); the parser turns it into a score;
+unparseable verdicts get `reward.parse_fail_score` and are counted. See `trainer_ctl` for the flow.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from mpi4py import MPI
+
+from yatt_hpc.config.schema import RunConfig
+from yatt_hpc.control.rank_stats import RankStats
+from yatt_hpc.control.routing import Routes
+from yatt_hpc.control.wire import TAG_SAMPLES, TAG_SCORED, SampleBatch, recv_batch, send_batch
+from yatt_hpc.data.tokenizer import load_tokenizer
+from yatt_hpc.reward.genrm import GenRMJudge, combine_reward
+from yatt_hpc.reward.verifier import rule_score
+
+log = logging.getLogger(__name__)
+
+
+class GenRMController:
+    def __init__(self, world, cfg: RunConfig, stats: RankStats):
+        self.world, self.cfg, self.stats = world, cfg, stats
+        self.routes = Routes(world.plan)
+        self.replicas = self.routes.replicas_of_genrm(world.rank)
+        self.policy_tokenizer = load_tokenizer(cfg.model.path)
+        rc = cfg.reward
+        self.judge = None
+        if rc.mode != "rule_only":
+            self.judge = GenRMJudge.from_pretrained(rc.genrm_path, max_new_tokens=rc.verdict_max_tokens,
+                                                    temperature=rc.verdict_temperature)
+        log.info("genrm rank scores trainer replicas %s (mode %s)", self.replicas, rc.mode)
+
+    def step(self, step: int) -> None:
+        for _ in self.replicas:
+            batch, _ = recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES)
+            self.stats.hold(len(batch))
+            with self.stats.phase("reward"):
+                scored = self.score(batch.sorted_by_id())
+            send_batch(self.world.comm, int(scored.owner[0]), TAG_SCORED, scored)
+            self.stats.hold(-len(scored))
+            self.stats.add("scored", len(scored))
+
+    def score(self, batch: SampleBatch) -> SampleBatch:
+        rc = self.cfg.reward
+        tok = self.policy_tokenizer
+        questions = [tok.decode(p.tolist()) for p in batch.ragged("prompt_tokens")]
+        responses = [tok.decode(r.tolist()) for r in batch.ragged("response_tokens")]
+        rules = np.array([rule_score(r, a) for r, a in zip(responses, batch.answers())], np.float32)
+        verdicts = self.judge.score(list(zip(questions, responses))) if self.judge else [None] * len(batch)
+        parse_fail = np.array([self.judge is not None and v is None for v in verdicts], np.int8)
+        batch.rule_score = rules
+        batch.genrm_score = np.array([rc.parse_fail_score if v is None else v for v in verdicts], np.float32)
+        batch.parse_fail = parse_fail
+        batch.reward = np.array([combine_reward(v, r, rc.mode, rc.alpha, rc.beta, rc.parse_fail_score)
+                                 for v, r in zip(verdicts, rules)], np.float32)
+        return batch

@@ -1,0 +1,42 @@
+"""Checks of a run's inputs that need the filesystem, and the errors users (not bugs) cause.
+
+    check_model_dirs(cfg)      # raises InputError naming the field, the path and the fix
+
+`yatt-hpc run` calls these before launching, and every rank again at start (a cluster node may
+not see what the login node saw).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from yatt_hpc.config import ConfigError
+from yatt_hpc.config.schema import RunConfig
+from yatt_hpc.control.world import LaunchMismatch
+from yatt_hpc.data.prompts import DatasetError
+from yatt_hpc.placement import PlanError
+
+
+class InputError(Exception):
+    """A missing or unusable input file; the message names the field, the path and the fix."""
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, LaunchMismatch, DatasetError, InputError)
+
+
+def check_model_dir(path: str, field: str) -> None:
+    where = Path(path)
+    hint = ("produce the demo models with `.venv/bin/python tools/make_demo_models.py`"
+            if "models/demo" in path else f"point {field} at a Hugging Face model directory")
+    if not where.is_dir():
+        raise InputError(f"{field}={path!r}: no such directory (working directory {Path.cwd()}); {hint}")
+    if not (where / "config.json").is_file():
+        raise InputError(f"{field}={path!r} has no config.json, so it is not a Hugging Face model directory; {hint}")
+    if not any(where.glob("*.safetensors")):
+        raise InputError(f"{field}={path!r} has no *.safetensors weights (yatt-hpc never loads pickled "
+                         f"checkpoints); convert the weights to safetensors or {hint}")
+
+
+def check_model_dirs(cfg: RunConfig) -> None:
+    check_model_dir(cfg.model.path, "model.path")
+    if cfg.reward.mode != "rule_only":
+        check_model_dir(cfg.reward.genrm_path, "reward.genrm_path")

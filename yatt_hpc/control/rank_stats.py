@@ -1,0 +1,55 @@
+"""What each rank measures about itself: phase times, samples held, peak RSS.
+
+    stats = RankStats("rollout")
+    with stats.phase("rollout"):
+        ...
+    stats.hold(+len(batch)); ...; stats.hold(-len(batch))
+    report = stats.step_report()        # small dict the leader gathers once per step
+
+Peak held samples is the proof of the parallel-controller design: no rank ever holds more than
+its shard plus what is in flight to it, and the leader is no exception.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from contextlib import contextmanager
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+class RankStats:
+    def __init__(self, group: str):
+        self.group = group
+        self.held = 0
+        self.peak_held = 0
+        self.times: dict[str, float] = {}
+        self.values: dict[str, float] = {}
+
+    def hold(self, delta: int) -> None:
+        self.held += delta
+        assert self.held >= 0, self.held
+        self.peak_held = max(self.peak_held, self.held)
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+
+    def add(self, key: str, value: float) -> None:
+        self.values[key] = self.values.get(key, 0.0) + float(value)
+
+    def step_report(self) -> dict:
+        """This step's numbers (then reset); peaks are kept for the whole run."""
+        report = {"group": self.group, "times": self.times, "values": self.values,
+                  "peak_held": self.peak_held, "peak_rss_mb": peak_rss_mb()}
+        self.times, self.values = {}, {}
+        return report

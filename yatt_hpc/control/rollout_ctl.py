@@ -1,0 +1,84 @@
+"""The rollout group's controller: one per engine replica.
+
+    ctl = RolloutController(world, cfg, stats)
+    ctl.step(step)     # receive prompts -> generate -> stream to GenRM -> take fresh weights
+
+It serves the trainer replicas the routes assign to it, knows how many prompt messages to expect,
+and never sees a sample it is not generating. See `trainer_ctl` for the whole data flow.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from mpi4py import MPI
+
+from yatt_hpc.config.schema import RunConfig
+from yatt_hpc.control.rank_stats import RankStats
+from yatt_hpc.control.routing import Routes
+from yatt_hpc.control.weight_sync import recv_weights
+from yatt_hpc.control.wire import TAG_PROMPTS, TAG_SAMPLES, SampleBatch, recv_batch, send_batch
+from yatt_hpc.rollout import GenerationRequest, build_engine
+
+log = logging.getLogger(__name__)
+FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
+
+
+class RolloutController:
+    def __init__(self, world, cfg: RunConfig, stats: RankStats):
+        self.world, self.cfg, self.stats = world, cfg, stats
+        self.routes = Routes(world.plan)
+        self.replicas = self.routes.replicas_of_rollout(world.rank)
+        self.colocate = world.plan.mode == "colocate"
+        device = "cuda" if world.plan.group("rollout").devices_per_task else "cpu"
+        self.engine = build_engine(cfg.rollout.engine, cfg.model.path, device=device,
+                                   tp_size=world.plan.group("rollout").size("tp"), seed=cfg.train.seed)
+        if self.colocate:
+            self.engine.release_memory()  # the trainer builds first; the engine wakes for its phase
+        log.info("rollout rank serves trainer replicas %s", self.replicas)
+
+    def step(self, step: int) -> None:
+        incoming = []
+        for _ in self.replicas:
+            batch, _ = recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_PROMPTS)
+            self.stats.hold(len(batch))
+            incoming.append(batch)
+        prompts = SampleBatch.concat(incoming).sorted_by_id()
+        with self.stats.phase("rollout"):
+            if self.colocate:
+                self.engine.resume_memory()
+            done = self.generate(prompts)
+            if self.colocate:
+                self.engine.release_memory()
+        for owner in np.unique(done.owner):
+            part = done.select(np.flatnonzero(done.owner == owner))
+            dp = self.routes.trainer_coords(int(owner))["dp"]
+            send_batch(self.world.comm, self.routes.genrm_for(dp), TAG_SAMPLES, part)
+            self.stats.hold(-len(part))
+        self.stats.add("generated", len(done))
+        with self.stats.phase("weight_sync"):
+            self.receive_weights()
+
+    def generate(self, prompts: SampleBatch) -> SampleBatch:
+        rc = self.cfg.rollout
+        requests = [GenerationRequest(sample_id=int(sid), prompt_ids=p, max_new_tokens=rc.max_new_tokens,
+                                      temperature=rc.temperature, top_p=rc.top_p)
+                    for sid, p in zip(prompts.sample_id, prompts.ragged("prompt_tokens"))]
+        results = {r.sample_id: r for r in self.engine.generate(requests)}
+        ordered = [results[int(sid)] for sid in prompts.sample_id]
+        prompts.response_len = np.array([len(r.response_ids) for r in ordered], np.int32)
+        prompts.response_tokens = np.concatenate([r.response_ids for r in ordered]).astype(np.int32)
+        prompts.logprobs = np.concatenate([r.logprobs for r in ordered]).astype(np.float32)
+        prompts.finish = np.array([FINISH_CODES[r.finish_reason] for r in ordered], np.int8)
+        self.stats.add("response_tokens", float(prompts.response_len.sum()))
+        return prompts
+
+    def receive_weights(self) -> None:
+        # In colocation the engine stays released: an update while released restores only the
+        # weights, and the next resume_memory() adds the KV cache after them (lower peak).
+        source = self.routes.trainer_owner(self.routes.weight_source_for(self.world.rank))
+        for bucket, final in recv_weights(self.world.comm, source):
+            self.engine.update_weights(bucket, final=final)
+
+    def close(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,57 @@
+"""Who talks to whom: pure routing of trainer replicas to rollout and GenRM ranks, from the plan.
+
+    r = Routes(plan)
+    r.rollout_for(dp=3)            # world rank of the rollout replica that samples replica 3's prompts
+    r.replicas_of_rollout(world)   # trainer replicas a rollout rank serves (how many messages to expect)
+
+Every rank computes the same routes from the same plan, so message counts are known in advance
+and no termination protocol is needed. Trainer replica d is served by rollout replica d mod R and
+GenRM replica d mod G; the batch owner is the replica's tensor-parallel rank 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from yatt_hpc.placement import Plan
+
+
+@dataclass(frozen=True)
+class Routes:
+    plan: Plan
+
+    @property
+    def dp(self) -> int:
+        return self.plan.group("trainer").size("dp")
+
+    def trainer_owner(self, dp: int) -> int:
+        """World rank of trainer replica `dp`'s data controller (tp=cp=pp=0)."""
+        t = self.plan.group("trainer")
+        tp, cp = t.size("tp"), t.size("cp")
+        return t.rank_start + dp * tp * cp
+
+    def trainer_coords(self, world_rank: int) -> dict[str, int]:
+        t = self.plan.group("trainer")
+        return t.coords(world_rank - t.rank_start)
+
+    def rollout_for(self, dp: int) -> int:
+        r = self.plan.group("rollout")
+        return r.rank_start + dp % r.tasks
+
+    def genrm_for(self, dp: int) -> int:
+        g = self.plan.group("genrm")
+        return g.rank_start + dp % g.tasks
+
+    def replicas_of_rollout(self, world_rank: int) -> list[int]:
+        return [d for d in range(self.dp) if self.rollout_for(d) == world_rank]
+
+    def replicas_of_genrm(self, world_rank: int) -> list[int]:
+        return [d for d in range(self.dp) if self.genrm_for(d) == world_rank]
+
+    def weight_source_for(self, rollout_world_rank: int) -> int:
+        """Trainer replica whose TP-rank-0 sends fresh weights to this rollout rank (spreads the sends)."""
+        r = self.plan.group("rollout")
+        return (rollout_world_rank - r.rank_start) % self.dp
+
+    def weight_targets_of(self, dp: int) -> list[int]:
+        r = self.plan.group("rollout")
+        return [w for w in range(r.rank_start, r.rank_stop) if self.weight_source_for(w) == dp]

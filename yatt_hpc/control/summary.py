@@ -1,0 +1,90 @@
+"""Turn the per-rank step reports into the run's metrics, and a finished run into a summary.
+
+    scalars = step_scalars(reports, step_seconds, leader_report)   # the TensorBoard tags of one step
+    summary = run_summary(history, wall_seconds)
+
+Pure functions over plain dicts; the leader calls them, nothing here communicates.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from yatt_hpc.placement import GROUPS
+
+
+def _sum(reports: list[dict], key: str, group: str = "trainer") -> float:
+    return sum(r["values"].get(key, 0.0) for r in reports if r["group"] == group)
+
+
+def _max_time(reports: list[dict], phase: str, group: str) -> float:
+    return max((r["times"].get(phase, 0.0) for r in reports if r["group"] == group), default=0.0)
+
+
+def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) -> dict[str, float]:
+    samples = max(_sum(reports, "samples"), 1.0)
+    tokens = max(_sum(reports, "tokens"), 1.0)
+    response_tokens = _sum(reports, "response_tokens")
+    out = {
+        "reward/mean": _sum(reports, "reward_sum") / samples,
+        "reward/accuracy": _sum(reports, "rule_sum") / samples,
+        "reward/genrm_agreement": _sum(reports, "agree_sum") / samples,
+        "reward/genrm_parse_fail": _sum(reports, "parse_fail_sum"),
+        "train/loss": _sum(reports, "loss"),
+        "train/kl": _sum(reports, "kl_sum") / tokens,
+        "train/entropy": _sum(reports, "entropy_sum") / tokens,
+        "train/clip_frac": _sum(reports, "clip_sum") / tokens,
+        "train/grad_norm": max((r["values"].get("grad_norm", 0.0) for r in reports if r["group"] == "trainer"), default=0.0),
+        "train/rollout_logp_diff_max": max((r["values"].get("logp_diff_max", 0.0) for r in reports
+                                            if r["group"] == "trainer"), default=0.0),
+        "rollout/response_len_mean": response_tokens / samples,
+        "time/step": step_seconds,
+        "time/rollout": _max_time(reports, "rollout", "rollout"),
+        "time/reward": _max_time(reports, "reward", "genrm"),
+        "time/train": _max_time(reports, "train", "trainer"),
+        "time/weight_sync": _max_time(reports, "weight_sync", "trainer"),
+        "throughput/tokens_per_s": response_tokens / max(step_seconds, 1e-9),
+        "data/prompts_consumed": _sum(reports, "prompts_consumed"),
+        "control/leader_peak_held_samples": float(leader_report["peak_held"]),
+    }
+    for group in GROUPS:
+        members = [r for r in reports if r["group"] == group]
+        out[f"memory/peak_rss_mb/{group}"] = max(r["peak_rss_mb"] for r in members)
+        out[f"control/peak_held_samples/{group}"] = float(max(r["peak_held"] for r in members))
+    return out
+
+
+def run_summary(history: list[dict], wall_seconds: float) -> dict:
+    rewards = [h["reward/mean"] for h in history]
+    acc = [h["reward/accuracy"] for h in history]
+    k = min(5, len(history))
+    first = sum(rewards[:k]) / k if k else 0.0
+    last = sum(rewards[-k:]) / k if k else 0.0
+    return {
+        "steps": len(history),
+        "wall_seconds": round(wall_seconds, 2),
+        "reward_first5": first,
+        "reward_last5": last,
+        "reward_gain": last - first,
+        "accuracy_first5": sum(acc[:k]) / k if k else 0.0,
+        "accuracy_last5": sum(acc[-k:]) / k if k else 0.0,
+        "genrm_agreement_mean": sum(h["reward/genrm_agreement"] for h in history) / max(len(history), 1),
+        "step_seconds_mean": sum(h["time/step"] for h in history) / max(len(history), 1),
+    }
+
+
+def print_summary(summary: dict, run_dir: Path | None, console: Console) -> None:
+    table = Table(title="run summary")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    if run_dir is not None:
+        console.print(f"TensorBoard logs: {run_dir / 'tb'}   (yatt-hpc tb {run_dir})")
+        console.print(f"report:           yatt-hpc report {run_dir}   -> {run_dir / 'report.png'}")
+        if (run_dir / "checkpoints").is_dir():
+            console.print(f"checkpoints:      {run_dir / 'checkpoints'}")
+        console.print(f"per-rank logs:    {run_dir / 'logs'}   metrics: {run_dir / 'metrics.jsonl'}")

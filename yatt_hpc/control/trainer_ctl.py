@@ -1,0 +1,157 @@
+"""The trainer group's controller: one per trainer rank, each the owner of its data shard.
+
+    ctl = TrainerController(world, cfg, run_dir, stats)
+    ctl.step(step)         # the GRPO step, as seen from one trainer rank
+
+Data flow of one step (no driver; every arrow is point-to-point MPI between the ranks involved):
+
+    trainer replica d (tp rank 0 owns the shard)
+      | prompts of positions [s*P + d*k, s*P + (d+1)*k), n copies each     TAG_PROMPTS
+      v
+    rollout rank (d mod R) --- generates, logprobs --->  GenRM rank (d mod G)   TAG_SAMPLES
+                                                            | judge verdict + rule score
+      .-------------------------------------------------------'                TAG_SCORED
+      v
+    trainer replica d: sort by sample id -> broadcast to its TP peers -> group advantages
+      -> Megatron forward/backward, DP all-reduce of grads -> AdamW
+      -> gather TP shards -> HF names -> buckets ---------> its rollout ranks    TAG_WEIGHTS
+
+A replica holds at most its own k*n samples; the leader (world rank 0) is replica 0's owner and
+holds exactly that share, nothing more.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from yatt_hpc.config.schema import RunConfig
+from yatt_hpc.control.rank_stats import RankStats
+from yatt_hpc.control.routing import Routes
+from yatt_hpc.control.weight_sync import send_weights
+from yatt_hpc.control.wire import TAG_PROMPTS, TAG_SCORED, SampleBatch, bcast_batch, recv_batch, send_batch
+from yatt_hpc.data.prompts import build_prompt_source
+from yatt_hpc.data.tokenizer import load_tokenizer
+from yatt_hpc.train.grpo import group_advantages
+
+log = logging.getLogger(__name__)
+
+
+class TrainerController:
+    def __init__(self, world, cfg: RunConfig, run_dir: Path, stats: RankStats):
+        from yatt_hpc.train import megatron_model
+        from yatt_hpc.train.policy import MegatronPolicy
+
+        self.world, self.cfg, self.stats = world, cfg, stats
+        self.routes = Routes(world.plan)
+        coords = self.routes.trainer_coords(world.rank)
+        self.dp_rank, self.tp_rank = coords["dp"], coords["tp"]
+        self.is_owner = coords["tp"] == 0 and coords["cp"] == 0 and coords["pp"] == 0
+        self.replica_comm = world.group_comm.Split(self.dp_rank, world.group_rank)
+        self.n = cfg.rollout.samples_per_prompt
+        self.per_replica = cfg.train.prompts_per_step // self.routes.dp
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.source = build_prompt_source(cfg.data, self.tokenizer)
+        addr, port = self._rendezvous()
+        tp = world.plan.group("trainer").size("tp")
+        megatron_model.initialize_model_parallel(world.group_rank, world.group_comm.Get_size(), addr, port,
+                                                 tp_size=tp, seed=cfg.train.seed)
+        torch.manual_seed(cfg.train.seed)
+        self.policy = MegatronPolicy.from_hf(cfg.model.path, self.tp_rank, tp, cfg.train)
+        log.info("trainer dp=%d tp=%d owner=%s ready", self.dp_rank, self.tp_rank, self.is_owner)
+
+    def _rendezvous(self) -> tuple[str, int]:
+        """Trainer rank 0 picks the torch.distributed address; everyone learns it over MPI."""
+        if self.world.group_rank == 0:
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = s.getsockname()[1]
+            host = socket.gethostname()
+            try:
+                addr = socket.gethostbyname(host)
+            except OSError:
+                addr = "127.0.0.1"
+            found = (addr, port)
+        else:
+            found = None
+        return self.world.group_comm.bcast(found, root=0)
+
+    # ------------------------------------------------------------------ the step, as one screen
+
+    def step(self, step: int) -> None:
+        if self.is_owner:
+            self.dispatch_prompts(step)                     # generate (on rollout ranks)
+            batch = self.collect_scored()                   # score (on GenRM ranks)
+        else:
+            batch = None
+        batch = bcast_batch(self.replica_comm, batch, root=0)
+        if not self.is_owner:
+            self.stats.hold(len(batch))
+        advantages = group_advantages(batch.reward, batch.prompt_id)     # GRPO advantages
+        with self.stats.phase("train"):
+            global_tokens = self.world.group_comm.allreduce(
+                int(batch.response_len.sum()) if self.is_owner else 0)
+            update = self.policy.update(batch, advantages, float(global_tokens))
+        with self.stats.phase("weight_sync"):
+            self.sync_weights()
+        self.report(batch, update)
+        self.stats.hold(-len(batch))
+
+    # ------------------------------------------------------------------ pieces
+
+    def shard_positions(self, step: int) -> np.ndarray:
+        """Global prompt positions this replica consumes at `step` (pure in (step, dp rank))."""
+        first = step * self.cfg.train.prompts_per_step + self.dp_rank * self.per_replica
+        return np.arange(first, first + self.per_replica, dtype=np.int64)
+
+    def dispatch_prompts(self, step: int) -> None:
+        positions = self.shard_positions(step)
+        rows = [self.source.row_at(int(p)) for p in positions]
+        prompts = [np.asarray(self.tokenizer.encode(r["prompt"]), np.int32) for r in rows]
+        answers = [np.frombuffer(r["answer"].encode(), np.uint8) for r in rows]
+        rep = np.repeat(np.arange(len(rows)), self.n)
+        batch = SampleBatch(
+            sample_id=np.repeat(positions, self.n) * self.n + np.tile(np.arange(self.n), len(rows)),
+            prompt_id=np.repeat(positions, self.n),
+            owner=np.full(len(rep), self.world.rank, np.int32),
+            prompt_len=np.array([len(prompts[i]) for i in rep], np.int32),
+            prompt_tokens=np.concatenate([prompts[i] for i in rep]),
+            answer_len=np.array([len(answers[i]) for i in rep], np.int32),
+            answer=np.concatenate([answers[i] for i in rep]),
+        )
+        self.stats.hold(len(batch))
+        send_batch(self.world.comm, self.routes.rollout_for(self.dp_rank), TAG_PROMPTS, batch)
+        self.stats.hold(-len(batch))  # sent: the samples now live on the rollout rank
+        self.stats.add("prompts_consumed", len(rows))
+
+    def collect_scored(self) -> SampleBatch:
+        batch, _ = recv_batch(self.world.comm, self.routes.genrm_for(self.dp_rank), TAG_SCORED)
+        self.stats.hold(len(batch))
+        # message arrival order must never change the math: order by sample id
+        return batch.sorted_by_id()
+
+    def sync_weights(self) -> None:
+        targets = self.routes.weight_targets_of(self.dp_rank)
+        if not targets:
+            return
+        dests = targets if self.is_owner else []
+        sent = send_weights(self.world.comm, dests, self.policy.hf_weights(), self.cfg.rollout.weight_sync_bucket_mb)
+        self.stats.add("weight_sync_bytes", sent)
+
+    def report(self, batch: SampleBatch, update) -> None:
+        if not self.is_owner:
+            return
+        agree = (batch.genrm_score >= 0.5) == (batch.rule_score >= 0.5)
+        agree &= batch.parse_fail == 0
+        for key, value in {
+            "samples": len(batch), "reward_sum": batch.reward.sum(), "rule_sum": batch.rule_score.sum(),
+            "agree_sum": agree.sum(), "parse_fail_sum": batch.parse_fail.sum(),
+            "response_tokens": batch.response_len.sum(), "loss": update.loss, "kl_sum": update.kl,
+            "entropy_sum": update.entropy, "tokens": update.tokens, "clip_sum": update.clip_frac,
+        }.items():
+            self.stats.add(key, float(value))
+        self.stats.values["grad_norm"] = update.grad_norm
+        self.stats.values["logp_diff_max"] = update.logp_diff_max

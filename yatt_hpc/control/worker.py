@@ -1,0 +1,117 @@
+"""The program every rank runs: join the MPI world, become a trainer, rollout or GenRM controller.
+
+    python -m yatt_hpc.control.worker --group trainer --run-dir RUN_DIR     # one rank; see `yatt-hpc plan`
+
+`yatt-hpc run` (mpirun) and `yatt-hpc submit` (srun --mpi=pmix) start it in one MPMD launch; the
+resolved config is RUN_DIR/config.yaml. Each rank logs to RUN_DIR/logs/rank-NNNN-GROUP.log.
+
+Failure policy: any error on any rank aborts the whole MPI world at once (MPI_Abort), so a broken
+rank never leaves the others waiting in a receive. A user error (bad data, missing model file,
+mismatched launch) prints one line naming the cause and exits 2; anything else prints where the
+traceback is logged and exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+from mpi4py import MPI
+
+from yatt_hpc.control.inputs import USER_ERRORS, check_model_dirs
+from yatt_hpc.placement import GROUPS
+
+EXIT_USER_ERROR, EXIT_BUG = 2, 1
+
+
+def setup_logging(run_dir: Path, rank: int, group: str, level: str) -> Path:
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    path = logs / f"rank-{rank:04d}-{group}.log"
+    handler = logging.FileHandler(path, mode="a")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {group}[{rank}] %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    logging.captureWarnings(True)
+    return path
+
+
+def build_controller(world, cfg, run_dir: Path, stats):
+    import torch
+
+    torch.set_num_threads(world.plan.group(world.group).cpus_per_task)
+    if world.group == "trainer":
+        from yatt_hpc.control.trainer_ctl import TrainerController
+
+        return TrainerController(world, cfg, run_dir, stats)
+    if world.group == "rollout":
+        from yatt_hpc.control.rollout_ctl import RolloutController
+
+        return RolloutController(world, cfg, stats)
+    from yatt_hpc.control.genrm_ctl import GenRMController
+
+    return GenRMController(world, cfg, stats)
+
+
+def quiet_libraries() -> None:
+    """Per-rank progress bars from transformers would interleave on the launcher's terminal."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def run_rank(group: str, run_dir: Path) -> None:
+    from rich.console import Console
+
+    from yatt_hpc.config import load_config
+    from yatt_hpc.control.loop import StepLoop
+    from yatt_hpc.control.rank_stats import RankStats
+    from yatt_hpc.control.world import build_world
+    from yatt_hpc.metrics import build_metrics
+    from yatt_hpc.placement import plan
+
+    quiet_libraries()
+    cfg = load_config(run_dir / "config.yaml")
+    world = build_world(plan(cfg), MPI.COMM_WORLD, expected_group=group)
+    check_model_dirs(cfg)
+    stats = RankStats(group)
+    controller = build_controller(world, cfg, run_dir, stats)
+    metrics = build_metrics(run_dir, is_writer=world.is_leader, tensorboard=cfg.logging.tensorboard)
+    console = Console(force_terminal=sys.stdout.isatty(), width=160) if world.is_leader else None
+    try:
+        StepLoop(world, cfg, controller, stats, metrics, console, run_dir).run()
+    finally:
+        metrics.close()
+    logging.getLogger(__name__).info("done")
+    world.comm.Barrier()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--group", required=True, choices=GROUPS)
+    parser.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    log_path = setup_logging(args.run_dir, comm.Get_rank(), args.group, "INFO")
+    try:
+        run_rank(args.group, args.run_dir)
+    except USER_ERRORS as err:
+        logging.getLogger(__name__).error("%s", err)
+        print(f"yatt-hpc [{args.group} rank {comm.Get_rank()}] error: {err}", file=sys.stderr, flush=True)
+        comm.Abort(EXIT_USER_ERROR)
+    except BaseException as err:  # noqa: BLE001 - any failure must take the whole world down, not hang it
+        logging.getLogger(__name__).error("%s", traceback.format_exc())
+        print(f"yatt-hpc [{args.group} rank {comm.Get_rank()}] failed: {err.__class__.__name__}: {err} "
+              f"(traceback in {log_path})", file=sys.stderr, flush=True)
+        comm.Abort(EXIT_BUG)
+
+
+if __name__ == "__main__":
+    main()

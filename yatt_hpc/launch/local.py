@@ -1,0 +1,62 @@
+"""Start a run: write RUN_DIR/config.yaml and launch the one MPMD command for the plan.
+
+    code = launch_run(cfg, plan, Path("runs/demo"))     # mpirun locally; srun --mpi=pmix in an allocation
+
+Inside a Slurm allocation (SLURM_JOB_ID set) the ranks are started with `srun --mpi=pmix`, anywhere
+else with `mpirun`. The environment is read here, once, at the edge.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from yatt_hpc.config import RunConfig, to_yaml
+from yatt_hpc.launch.commands import local_launch, render, srun_launch
+from yatt_hpc.placement import Plan
+
+
+class LaunchError(Exception):
+    """The launcher itself is missing or unusable (e.g. no mpirun)."""
+
+
+def prepare_run_dir(cfg: RunConfig, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+    (run_dir / "logs").mkdir(exist_ok=True, mode=0o755)
+    target = run_dir / "config.yaml"
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, target)  # a reader never sees half a config
+
+
+def launch_env(environ: dict[str, str]) -> dict[str, str]:
+    env = dict(environ)
+    if os.geteuid() == 0:  # Open MPI refuses root unless told twice
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    # more controller ranks than cores: waiting ranks must yield the CPU instead of spinning
+    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def launch_argv(plan: Plan, run_dir: Path, environ: dict[str, str]) -> list[str]:
+    if environ.get("SLURM_JOB_ID"):
+        return srun_launch(plan, str(run_dir), python=sys.executable)
+    mpirun = shutil.which("mpirun")
+    if not mpirun:
+        raise LaunchError("mpirun not found on PATH; install Open MPI (`make system-deps` or "
+                          "`apt-get install openmpi-bin libopenmpi-dev libpmix2`), or run inside a Slurm allocation")
+    return local_launch(plan, str(run_dir), python=sys.executable, mpirun=mpirun)
+
+
+def launch_run(cfg: RunConfig, plan: Plan, run_dir: Path) -> int:
+    """Launch and wait; returns the launcher's exit code (2 = a rank reported a user error)."""
+    prepare_run_dir(cfg, run_dir)
+    environ = dict(os.environ)
+    argv = launch_argv(plan, run_dir, environ)
+    (run_dir / "launch.sh").write_text("#!/bin/sh\n" + render(argv) + "\n")
+    proc = subprocess.run(argv, env=launch_env(environ))
+    return proc.returncode

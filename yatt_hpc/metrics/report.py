@@ -1,0 +1,79 @@
+"""A finished (or running) run at a glance: RUN_DIR/report.png and a text summary.
+
+    yatt-hpc report runs/demo
+
+Reads RUN_DIR/metrics.jsonl (written by the leader next to the TensorBoard events); draws reward
+and accuracy, KL and entropy, and the phase times per step.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class ReportError(Exception):
+    """The run directory has nothing to report yet."""
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ReportError(f"{path} does not exist: is {run_dir} a yatt-hpc run directory, and has a step finished?")
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash mid-write; the others still tell the story
+    if not rows:
+        raise ReportError(f"{path} has no finished steps yet")
+    return rows
+
+
+def write_report(run_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    steps = [r["step"] for r in rows]
+
+    def col(key):
+        return [r.get(key, float("nan")) for r in rows]
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(steps, col("reward/mean"), label="reward/mean")
+    axes[0].plot(steps, col("reward/accuracy"), label="reward/accuracy (rule)")
+    axes[0].plot(steps, col("reward/genrm_agreement"), label="genrm agreement", alpha=0.6)
+    axes[0].set_title("reward")
+    axes[1].plot(steps, col("train/kl"), label="train/kl")
+    axes[1].plot(steps, col("train/entropy"), label="train/entropy")
+    axes[1].set_title("policy")
+    bottom = [0.0] * len(rows)
+    for phase in ("rollout", "reward", "train", "weight_sync"):
+        values = [v if v == v else 0.0 for v in col(f"time/{phase}")]
+        axes[2].bar(steps, values, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    axes[2].plot(steps, col("time/step"), color="black", label="step wall")
+    axes[2].set_title("phase seconds per step")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(run_dir) / "report.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def text_summary(run_dir: Path) -> str:
+    rows = read_metrics(run_dir)
+    k = min(5, len(rows))
+    first = sum(r["reward/mean"] for r in rows[:k]) / k
+    last = sum(r["reward/mean"] for r in rows[-k:]) / k
+    acc_first = sum(r["reward/accuracy"] for r in rows[:k]) / k
+    acc_last = sum(r["reward/accuracy"] for r in rows[-k:]) / k
+    step_s = sum(r["time/step"] for r in rows) / len(rows)
+    return (f"{len(rows)} steps; reward first {k}: {first:.3f} -> last {k}: {last:.3f} (gain {last - first:+.3f}); "
+            f"accuracy {acc_first:.3f} -> {acc_last:.3f}; mean step {step_s:.2f}s")

@@ -1,0 +1,179 @@
+"""The trainer's policy: a Megatron-Core GPTModel shard, AdamW, and one GRPO update on a batch.
+
+    policy = MegatronPolicy.from_hf(model_dir, tp_rank, tp_size, cfg.train)   # after initialize_model_parallel
+    stats = policy.update(batch, advantages, global_tokens)                   # samples of this DP replica
+    for name, tensor in policy.hf_weights(): ...                              # collective over the TP group
+
+Data parallelism is plain: each DP replica computes gradients on its own samples, the loss is
+already divided by the global token count, so an all-reduce SUM over the DP group gives the exact
+gradient of the whole batch's token-mean loss. (Megatron's DDP and optimizer hard-code CUDA; on
+GPU the same code runs with NCCL.)
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from yatt_hpc.config.schema import TrainConfig
+from yatt_hpc.control.wire import SampleBatch
+from yatt_hpc.train import convert, megatron_model
+from yatt_hpc.train.grpo import policy_loss
+from yatt_hpc.train.logprobs import token_logprobs_and_entropy
+
+
+@dataclass
+class UpdateStats:
+    loss: float
+    kl: float
+    entropy: float
+    clip_frac: float
+    grad_norm: float
+    tokens: float
+    logp_diff_max: float = 0.0  # max |trainer logp - rollout logp| before the update: weight-sync health
+
+
+def load_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF model directory (safetensors only: loading never runs code)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(model_dir / name)))
+    return state
+
+
+class MegatronPolicy:
+    def __init__(self, model, hf_config, cfg: TrainConfig, reference=None):
+        self.model = model
+        self.hf_config = hf_config
+        self.cfg = cfg
+        self.reference = reference
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           betas=(0.9, 0.999), eps=1e-8)
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.temperature = 1.0
+
+    @classmethod
+    def from_hf(cls, model_dir: str | Path, tp_rank: int, tp_size: int, cfg: TrainConfig,
+                dtype: torch.dtype = torch.float32) -> "MegatronPolicy":
+        model_dir = Path(model_dir)
+        hf_config = AutoConfig.from_pretrained(str(model_dir))
+        hf_state = load_hf_state_dict(model_dir)
+        shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank, tp_size)
+        model = megatron_model.build_gpt_model(hf_config, tp_size, params_dtype=dtype)
+        megatron_model.load_megatron_shard(model, shard)
+        reference = None
+        if cfg.kl_coef > 0:
+            reference = megatron_model.build_gpt_model(hf_config, tp_size, params_dtype=dtype)
+            megatron_model.load_megatron_shard(reference, shard)
+            reference.eval().requires_grad_(False)
+        return cls(model, hf_config, cfg, reference)
+
+    # ------------------------------------------------------------------ the update
+
+    def update(self, batch: SampleBatch, advantages: np.ndarray, global_tokens: float) -> UpdateStats:
+        """One optimizer step (per `updates_per_step` pass) over this replica's samples."""
+        totals = UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        self.model.train()
+        for update in range(self.cfg.updates_per_step):
+            self.optimizer.zero_grad(set_to_none=True)
+            for start in range(0, len(batch), self.cfg.micro_batch_size):
+                index = np.arange(start, min(start + self.cfg.micro_batch_size, len(batch)))
+                stats = self._micro_step(batch.select(index), advantages[index], global_tokens)
+                for key in ("loss", "kl", "entropy", "clip_frac", "tokens"):
+                    setattr(totals, key, getattr(totals, key) + getattr(stats, key))
+                if update == 0:
+                    totals.logp_diff_max = max(totals.logp_diff_max, stats.logp_diff_max)
+            self._allreduce_grads()
+            totals.grad_norm = self._clip_grads()
+            self.optimizer.step()
+        passes = self.cfg.updates_per_step
+        for key in ("loss", "kl", "entropy", "clip_frac", "tokens"):
+            setattr(totals, key, getattr(totals, key) / passes)
+        return totals
+
+    def _micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float) -> UpdateStats:
+        tokens, mask, old_logp = pack_micro_batch(mb)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        logits = megatron_model.forward_logits(self.model, inputs)
+        logp, entropy = token_logprobs_and_entropy(logits, targets, self.tp_group, self.hf_config.vocab_size,
+                                                   self.temperature)
+        ref_logp = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = megatron_model.forward_logits(self.reference, inputs)
+                ref_logp, _ = token_logprobs_and_entropy(ref_logits, targets, self.tp_group,
+                                                         self.hf_config.vocab_size, self.temperature)
+        adv_tok = torch.from_numpy(adv).float()[:, None].expand_as(logp)
+        loss, stats = policy_loss(logp, old_logp, adv_tok, mask, clip_low=self.cfg.clip_low,
+                                  clip_high=self.cfg.clip_high, token_count=global_tokens, ref_logp=ref_logp,
+                                  kl_coef=self.cfg.kl_coef, entropy=entropy, entropy_coef=self.cfg.entropy_coef)
+        loss.backward()
+        diff = float(((logp.detach() - old_logp).abs() * mask).max()) if mask.any() else 0.0
+        return UpdateStats(loss.item(), stats.kl, stats.entropy, stats.clip_frac, 0.0, stats.tokens, diff)
+
+    def _allreduce_grads(self) -> None:
+        if torch.distributed.get_world_size(self.dp_group) == 1:
+            return
+        for p in self.model.parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad, group=self.dp_group)
+
+    def _clip_grads(self) -> float:
+        """Global L2 norm over the whole (TP-sharded) model; clip to `grad_clip` if set."""
+        sharded, replicated = torch.zeros(()), torch.zeros(())
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().float().pow(2).sum().cpu()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        if torch.distributed.get_world_size(self.tp_group) > 1:
+            torch.distributed.all_reduce(sharded, group=self.tp_group)
+        norm = math.sqrt(float(sharded + replicated))
+        if self.cfg.grad_clip and norm > self.cfg.grad_clip:
+            scale = self.cfg.grad_clip / (norm + 1e-6)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    # ------------------------------------------------------------------ weights out
+
+    def hf_weights(self):
+        """(hf_name, tensor) of the full model; collective over the TP group (all TP ranks iterate)."""
+        return convert.iter_gathered_hf_weights(self.model, self.hf_config, self.tp_group)
+
+
+def pack_micro_batch(mb: SampleBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded token matrix [B, L], response mask and old logprobs aligned to targets [B, L-1].
+
+    Target position t predicts token t+1, so response token j (at sequence index P+j) is scored at
+    target position P+j-1.
+    """
+    prompts, responses, logps = mb.ragged("prompt_tokens"), mb.ragged("response_tokens"), mb.ragged("logprobs")
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    tokens = torch.zeros(len(mb), length, dtype=torch.long)
+    mask = torch.zeros(len(mb), length - 1)
+    old = torch.zeros(len(mb), length - 1)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, logps)):
+        seq = np.concatenate([p, r])
+        tokens[i, : len(seq)] = torch.from_numpy(seq.astype(np.int64))
+        lo, hi = len(p) - 1, len(p) - 1 + len(r)
+        mask[i, lo:hi] = 1.0
+        old[i, lo:hi] = torch.from_numpy(lp.astype(np.float32))
+    return tokens, mask, old
