@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -77,6 +77,11 @@ class TrainConfig(Section):
     """Weight of the entropy bonus subtracted from the loss."""
     updates_per_step: int = Field(1, ge=1)
     """Optimizer passes over each step's samples (1 = on-policy)."""
+    balance: Literal["flops", "tokens", "none"] = "flops"
+    """Data-parallel load balancing before the update: Karmarkar-Karp over a FLOPs proxy (a*L + L^2),
+    over plain token counts, or none. Whole GRPO groups move; a group is never split."""
+    balance_flops_coeff: Optional[float] = Field(None, gt=0)
+    """`a` in the FLOPs proxy a*L + L^2; null derives 6*hidden_size from the model."""
 
 
 class RolloutConfig(Section):
@@ -196,6 +201,18 @@ class SlurmConfig(Section):
     """Automatic requeues allowed after preemption or timeout."""
     extra_flags: dict[Literal["trainer", "rollout", "genrm"], list[str]] = Field(default_factory=dict)
     """Extra `#SBATCH` flags per group, e.g. `{trainer: ["--constraint=h200"]}`."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables the job script exports before the launch, e.g. `{OMPI_MCA_btl: "self,tcp"}`
+    (needed on the one-host dev cluster, whose virtual nodes cannot use Open MPI's shared-memory transport)."""
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values_as_text(cls, value: object) -> object:
+        # `--set slurm.env.OMP_NUM_THREADS=4` parses 4 as YAML int; an environment value is text
+        if isinstance(value, dict):
+            return {k: (str(v).lower() if isinstance(v, bool) else str(v)) if isinstance(v, (int, float)) else v
+                    for k, v in value.items()}
+        return value
 
 
 class LoggingConfig(Section):

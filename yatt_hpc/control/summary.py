@@ -23,6 +23,10 @@ def _max_time(reports: list[dict], phase: str, group: str) -> float:
     return max((r["times"].get(phase, 0.0) for r in reports if r["group"] == group), default=0.0)
 
 
+def _max_value(reports: list[dict], key: str, default: float, group: str = "trainer") -> float:
+    return max((r["values"][key] for r in reports if r["group"] == group and key in r["values"]), default=default)
+
+
 def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) -> dict[str, float]:
     samples = max(_sum(reports, "samples"), 1.0)
     tokens = max(_sum(reports, "tokens"), 1.0)
@@ -36,9 +40,8 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         "train/kl": _sum(reports, "kl_sum") / tokens,
         "train/entropy": _sum(reports, "entropy_sum") / tokens,
         "train/clip_frac": _sum(reports, "clip_sum") / tokens,
-        "train/grad_norm": max((r["values"].get("grad_norm", 0.0) for r in reports if r["group"] == "trainer"), default=0.0),
-        "train/rollout_logp_diff_max": max((r["values"].get("logp_diff_max", 0.0) for r in reports
-                                            if r["group"] == "trainer"), default=0.0),
+        "train/grad_norm": _max_value(reports, "grad_norm", default=0.0),
+        "train/rollout_logp_diff_max": _max_value(reports, "logp_diff_max", default=0.0),
         "rollout/response_len_mean": response_tokens / samples,
         "time/step": step_seconds,
         "time/rollout": _max_time(reports, "rollout", "rollout"),
@@ -47,6 +50,9 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         "time/weight_sync": _max_time(reports, "weight_sync", "trainer"),
         "throughput/tokens_per_s": response_tokens / max(step_seconds, 1e-9),
         "data/prompts_consumed": _sum(reports, "prompts_consumed"),
+        "balance/max_over_mean_before": _max_value(reports, "balance_before", default=1.0),
+        "balance/max_over_mean_after": _max_value(reports, "balance_after", default=1.0),
+        "balance/moved_groups": _max_value(reports, "balance_moved", default=0.0),
         "control/leader_peak_held_samples": float(leader_report["peak_held"]),
     }
     for group in GROUPS:

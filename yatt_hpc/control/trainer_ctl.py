@@ -27,9 +27,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 from yatt_hpc.config.schema import RunConfig
+from yatt_hpc.control.balance import flops_coeff
 from yatt_hpc.control.rank_stats import RankStats
+from yatt_hpc.control.rebalance import Rebalancer
 from yatt_hpc.control.routing import Routes
 from yatt_hpc.control.weight_sync import send_weights
 from yatt_hpc.control.wire import TAG_PROMPTS, TAG_SCORED, SampleBatch, bcast_batch, recv_batch, send_batch
@@ -51,6 +54,7 @@ class TrainerController:
         self.dp_rank, self.tp_rank = coords["dp"], coords["tp"]
         self.is_owner = coords["tp"] == 0 and coords["cp"] == 0 and coords["pp"] == 0
         self.replica_comm = world.group_comm.Split(self.dp_rank, world.group_rank)
+        self.balancer = self._build_balancer()
         self.n = cfg.rollout.samples_per_prompt
         self.per_replica = cfg.train.prompts_per_step // self.routes.dp
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -85,6 +89,7 @@ class TrainerController:
         if self.is_owner:
             self.dispatch_prompts(step)                     # generate (on rollout ranks)
             batch = self.collect_scored()                   # score (on GenRM ranks)
+            batch = self.balance(batch)                     # even out work across DP replicas
         else:
             batch = None
         batch = bcast_batch(self.replica_comm, batch, root=0)
@@ -132,6 +137,27 @@ class TrainerController:
         self.stats.hold(len(batch))
         # message arrival order must never change the math: order by sample id
         return batch.sorted_by_id()
+
+    def _build_balancer(self):
+        owners = self.world.group_comm.Split(0 if self.is_owner else MPI.UNDEFINED, self.world.group_rank)
+        if not self.is_owner or self.cfg.train.balance == "none" or self.routes.dp == 1:
+            return None
+        from transformers import AutoConfig
+
+        hidden = AutoConfig.from_pretrained(self.cfg.model.path).get_text_config().hidden_size
+        a = None if self.cfg.train.balance == "tokens" else (self.cfg.train.balance_flops_coeff or flops_coeff(hidden, 1))
+        return Rebalancer(owners, self.world.comm, [self.routes.trainer_owner(d) for d in range(self.routes.dp)], a)
+
+    def balance(self, batch: SampleBatch) -> SampleBatch:
+        if self.balancer is None:
+            return batch
+        with self.stats.phase("balance"):
+            self.stats.hold(-len(batch))
+            batch, info = self.balancer.rebalance(batch)
+            self.stats.hold(len(batch))
+        self.stats.values.update({"balance_before": info.before, "balance_after": info.after,
+                                  "balance_moved": info.moved_groups})
+        return batch
 
     def sync_weights(self) -> None:
         targets = self.routes.weight_targets_of(self.dp_rank)

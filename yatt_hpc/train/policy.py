@@ -128,8 +128,9 @@ class MegatronPolicy:
         if torch.distributed.get_world_size(self.dp_group) == 1:
             return
         for p in self.model.parameters():
-            if p.grad is not None:
-                torch.distributed.all_reduce(p.grad, group=self.dp_group)
+            if p.grad is None:  # a replica with no samples this step still joins every all-reduce
+                p.grad = torch.zeros_like(p)
+            torch.distributed.all_reduce(p.grad, group=self.dp_group)
 
     def _clip_grads(self) -> float:
         """Global L2 norm over the whole (TP-sharded) model; clip to `grad_clip` if set."""
