@@ -6,15 +6,20 @@
     stats.hold(+len(batch)); ...; stats.hold(-len(batch))
     report = stats.step_report()        # small dict the leader gathers once per step
 
+With a timeline path, every phase is also appended as {"step", "phase", "start", "end"} (wall
+clock) to RUN_DIR/timeline/rank-NNNN-GROUP.jsonl, the raw material of `yatt-hpc report`'s phase plot.
+
 Peak held samples is the proof of the parallel-controller design: no rank ever holds more than
 its shard plus what is in flight to it, and the leader is no exception.
 """
 from __future__ import annotations
 
+import json
 import resource
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 
 def peak_rss_mb() -> float:
@@ -24,12 +29,14 @@ def peak_rss_mb() -> float:
 
 
 class RankStats:
-    def __init__(self, group: str):
+    def __init__(self, group: str, timeline_path: Path | None = None):
         self.group = group
         self.held = 0
         self.peak_held = 0
         self.times: dict[str, float] = {}
         self.values: dict[str, float] = {}
+        self.step = 0
+        self._timeline = open(timeline_path, "a", encoding="utf-8") if timeline_path else None
 
     def hold(self, delta: int) -> None:
         self.held += delta
@@ -38,11 +45,15 @@ class RankStats:
 
     @contextmanager
     def phase(self, name: str):
-        start = time.perf_counter()
+        """Time a phase; with a timeline file, also record its wall-clock start and end."""
+        start, wall = time.perf_counter(), time.time()
         try:
             yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
+            if self._timeline is not None:
+                self._timeline.write(json.dumps({"step": self.step, "phase": name, "start": wall,
+                                                 "end": time.time()}) + "\n")
 
     def add(self, key: str, value: float) -> None:
         self.values[key] = self.values.get(key, 0.0) + float(value)
@@ -52,4 +63,7 @@ class RankStats:
         report = {"group": self.group, "times": self.times, "values": self.values,
                   "peak_held": self.peak_held, "peak_rss_mb": peak_rss_mb()}
         self.times, self.values = {}, {}
+        self.step += 1
+        if self._timeline is not None:
+            self._timeline.flush()
         return report

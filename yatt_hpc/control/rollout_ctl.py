@@ -17,7 +17,8 @@ from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.routing import Routes
 from yatt_hpc.control.weight_sync import recv_weights
-from yatt_hpc.control.wire import TAG_PROMPTS, TAG_SAMPLES, SampleBatch, recv_batch, send_batch
+from yatt_hpc.control.wire import (TAG_PROMPTS, TAG_SAMPLES, TAG_WEIGHTS, SampleBatch, recv_batch, send_batch,
+                                   wait_for_message)
 from yatt_hpc.rollout import GenerationRequest, build_engine
 
 log = logging.getLogger(__name__)
@@ -44,11 +45,13 @@ class RolloutController:
             self.stats.hold(len(batch))
             incoming.append(batch)
         prompts = SampleBatch.concat(incoming).sorted_by_id()
-        with self.stats.phase("rollout"):
-            if self.colocate:
+        if self.colocate:
+            with self.stats.phase("resume"):
                 self.engine.resume_memory()
+        with self.stats.phase("rollout"):
             done = self.generate(prompts)
-            if self.colocate:
+        if self.colocate:
+            with self.stats.phase("release"):
                 self.engine.release_memory()
         for owner in np.unique(done.owner):
             part = done.select(np.flatnonzero(done.owner == owner))
@@ -56,8 +59,7 @@ class RolloutController:
             send_batch(self.world.comm, self.routes.genrm_for(dp), TAG_SAMPLES, part)
             self.stats.hold(-len(part))
         self.stats.add("generated", len(done))
-        with self.stats.phase("weight_sync"):
-            self.receive_weights()
+        self.receive_weights()
 
     def generate(self, prompts: SampleBatch) -> SampleBatch:
         rc = self.cfg.rollout
@@ -77,8 +79,10 @@ class RolloutController:
         # In colocation the engine stays released: an update while released restores only the
         # weights, and the next resume_memory() adds the KV cache after them (lower peak).
         source = self.routes.trainer_owner(self.routes.weight_source_for(self.world.rank))
-        for bucket, final in recv_weights(self.world.comm, source):
-            self.engine.update_weights(bucket, final=final)
+        wait_for_message(self.world.comm, source, TAG_WEIGHTS)  # idle until training is done
+        with self.stats.phase("weight_sync"):
+            for bucket, final in recv_weights(self.world.comm, source):
+                self.engine.update_weights(bucket, final=final)
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -57,6 +57,8 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
     }
     for group in GROUPS:
         members = [r for r in reports if r["group"] == group]
+        busy = sum(sum(r["times"].values()) for r in members) / max(len(members), 1)
+        out[f"time/bubble_pct/{group}"] = 100.0 * max(0.0, 1.0 - busy / max(step_seconds, 1e-9))
         out[f"memory/peak_rss_mb/{group}"] = max(r["peak_rss_mb"] for r in members)
         out[f"control/peak_held_samples/{group}"] = float(max(r["peak_held"] for r in members))
     return out

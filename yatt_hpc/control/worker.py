@@ -81,7 +81,8 @@ def run_rank(group: str, run_dir: Path) -> None:
     cfg = load_config(run_dir / "config.yaml")
     world = build_world(plan(cfg), MPI.COMM_WORLD, expected_group=group)
     check_model_dirs(cfg)
-    stats = RankStats(group)
+    (run_dir / "timeline").mkdir(exist_ok=True)
+    stats = RankStats(group, run_dir / "timeline" / f"rank-{world.rank:04d}-{group}.jsonl")
     controller = build_controller(world, cfg, run_dir, stats)
     metrics = build_metrics(run_dir, is_writer=world.is_leader, tensorboard=cfg.logging.tensorboard)
     console = Console(force_terminal=sys.stdout.isatty(), width=160) if world.is_leader else None
