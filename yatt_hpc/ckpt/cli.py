@@ -1,0 +1,104 @@
+"""`yatt-hpc ckpt`: list, verify and export checkpoints of a run directory.
+
+    yatt-hpc ckpt list runs/demo                 # step, size, time, verified
+    yatt-hpc ckpt verify runs/demo [--step 20]   # exit 1 if a checked checkpoint is bad
+    yatt-hpc ckpt export-hf runs/demo --step 20 --out hf-step-20
+
+DIR may be a run directory or its ``checkpoints/`` directory. User errors print one line, exit 2.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from yatt_hpc.ckpt import layout
+from yatt_hpc.ckpt.errors import CheckpointError
+from yatt_hpc.ckpt.manifest import read_marker, verify_step
+
+
+class CkptUserError(click.ClickException):
+    exit_code = 2
+
+
+def _steps(run_dir: Path) -> list[layout.StepDir]:
+    ckpt_dir = layout.resolve_checkpoints_dir(run_dir)
+    steps = layout.list_steps(ckpt_dir)
+    if not steps:
+        raise CkptUserError(f"no checkpoints under {ckpt_dir}: DIR must be a run directory (or its "
+                            "checkpoints/) of a run that saved at least once")
+    return steps
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def _saved_at(path: Path) -> float:
+    """The commit time recorded in the marker; the directory's mtime when there is none."""
+    try:
+        return read_marker(path)["created"]
+    except ValueError:
+        return path.stat().st_mtime
+
+
+_DIR = click.argument("run_dir", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+
+
+@click.group("ckpt")
+def ckpt() -> None:
+    """List, verify and export checkpoints."""
+
+
+@ckpt.command("list")
+@_DIR
+def list_cmd(run_dir: Path) -> None:
+    """Table of every checkpoint in DIR: step, size, time, verified (sha256 of every file)."""
+    table = Table("step", "size", "time", "verified", title=str(layout.resolve_checkpoints_dir(run_dir)))
+    for s in _steps(run_dir):
+        problem = verify_step(s.path)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_saved_at(s.path)))
+        table.add_row(str(s.step), f"{_size(s.path) / 2**20:.1f} MiB", when,
+                      "[green]yes[/]" if problem is None else f"[red]no[/]: {problem}")
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console.print(table)
+
+
+@ckpt.command("verify")
+@_DIR
+@click.option("--step", type=int, default=None, help="Verify only this step (default: every checkpoint).")
+def verify_cmd(run_dir: Path, step: int | None) -> None:
+    """Check sizes and sha256 of every file against the manifest; exit 1 if one is bad."""
+    steps = _steps(run_dir)
+    if step is not None:
+        steps = [s for s in steps if s.step == step]
+        if not steps:
+            raise CkptUserError(f"no checkpoint step {step} in {run_dir}; `yatt-hpc ckpt list {run_dir}` shows them")
+    bad = 0
+    for s in steps:
+        problem = verify_step(s.path)
+        bad += problem is not None
+        click.echo(f"step {s.step}: {'ok' if problem is None else 'BAD: ' + problem}")
+    sys.exit(1 if bad else 0)
+
+
+@ckpt.command("export-hf")
+@_DIR
+@click.option("--step", type=int, required=True, help="Checkpoint step to export.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Output directory (HF layout: model.safetensors, config.json, tokenizer files).")
+@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Original HF model directory (default: model.path of the saved config).")
+def export_cmd(run_dir: Path, step: int, out: Path, model_dir: Path | None) -> None:
+    """Merge the tensor-parallel shards of one checkpoint into a Hugging Face model directory."""
+    from yatt_hpc.ckpt.export_hf import export_hf
+
+    try:
+        export_hf(run_dir, step, out, model_dir)
+    except CheckpointError as err:
+        raise CkptUserError(str(err)) from None
+    click.echo(f"exported step {step} to {out}")

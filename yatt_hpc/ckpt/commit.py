@@ -1,0 +1,133 @@
+"""The multi-rank commit protocol of one save (every rank calls ``write_rank_files`` then ``commit``).
+
+    entries = write_rank_files(incomplete_dir, snap)        # this rank's safetensors, fsynced
+    commit(comm, leader, ckpt_dir, step, snap, shared, entries, error, keep_last)   # collective
+
+Sequence (the leader is one rank of ``comm``; every other rank only writes its own files):
+
+    all ranks:  write own files into step-N.incomplete/ -> fsync files -> fsync dir
+    all ranks:  gather (record, [name, size, sha256], error) to the leader
+    leader:     any error? -> leave .incomplete, report it (the next start removes it)
+                write state.h5 (records + manifest) -> fsync -> fsync dir
+                rename step-N.incomplete -> step-N -> fsync checkpoints/
+                write COMMITTED (temp, fsync, rename, fsync dir)   <- the commit point
+                prune committed checkpoints beyond keep_last
+    all ranks:  bcast the outcome; every rank raises the same CheckpointError on failure
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from yatt_hpc.ckpt import layout
+from yatt_hpc.ckpt.errors import CheckpointError
+from yatt_hpc.ckpt.manifest import (
+    FileEntry,
+    digest_file,
+    fsync_dir,
+    fsync_file,
+    write_marker,
+)
+from yatt_hpc.ckpt.state import RankRecord, SharedState, write_state
+from yatt_hpc.ckpt.writer import RankState
+
+log = logging.getLogger(__name__)
+
+
+def write_rank_files(inc: Path, snap: RankState) -> list[FileEntry]:
+    """Write this rank's tensor files into ``inc`` and make them durable; return their digests."""
+    inc.mkdir(parents=True, exist_ok=True)
+    c = snap.coords
+    files = []
+    if snap.model is not None:
+        files.append((layout.model_file(c.get("tp", 0), c.get("pp", 0)), snap.model, {}))
+    if snap.optim is not None:
+        files.append((layout.optim_file(c.get("tp", 0), c.get("pp", 0), c.get("dp", 0)), snap.optim,
+                      snap.optim_meta))
+    entries = []
+    for name, tensors, meta in files:
+        path = inc / name
+        # One metadata key: safetensors keeps metadata in a hash map, so several keys would be
+        # written in a random order and identical saves would differ byte-wise.
+        body = json.dumps({"identity": snap.identity, **meta}, sort_keys=True)
+        save_file(tensors, str(path), metadata={layout.METADATA_KEY: body})
+        fsync_file(path)
+        entries.append(digest_file(path))
+    fsync_dir(inc)
+    return entries
+
+
+def commit(comm, leader: int, ckpt_dir: Path, step: int, snap: RankState, shared: SharedState | None,
+           entries: list[FileEntry], error: str | None, keep_last: int) -> None:
+    """Collective over ``comm``: gather to the leader, which commits; raise on every rank on failure."""
+    record = RankRecord(snap.identity, comm.Get_rank(), dict(snap.coords), snap.rng, snap.data_position,
+                        snap.extra, [e.name for e in entries])
+    payloads = comm.gather((record, entries, error), root=leader)
+    outcome = None
+    if comm.Get_rank() == leader:
+        try:
+            outcome = _leader_commit(ckpt_dir, step, shared or SharedState(), payloads, keep_last)
+        except Exception as err:
+            log.exception("checkpoint step %d: commit failed on the leader", step)
+            outcome = f"leader: {type(err).__name__}: {err}"
+    outcome = comm.bcast(outcome, root=leader)
+    if outcome:
+        raise CheckpointError(f"checkpoint step {step} was not committed: {outcome}")
+
+
+def _leader_commit(ckpt_dir: Path, step: int, shared: SharedState, payloads, keep_last: int) -> str | None:
+    problems = [f"rank {rec.world_rank} ({rec.identity}): {err}" for rec, _, err in payloads if err]
+    records = [rec for rec, _, _ in payloads]
+    entries = sorted((e for _, es, _ in payloads for e in es), key=lambda e: e.name)
+    for what, names in (("identity", [r.identity for r in records]), ("file", [e.name for e in entries])):
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            problems.append(f"duplicate {what} {dupes} (each shard's model file comes from one rank only)")
+    if problems:
+        return "; ".join(problems)
+    inc, final = layout.incomplete_dir(ckpt_dir, step), layout.step_dir(ckpt_dir, step)
+    inc.mkdir(parents=True, exist_ok=True)  # a job where no rank writes tensors
+    created = time.time()
+    state_path = inc / layout.STATE_FILE
+    write_state(state_path, step, shared, records, entries, created)
+    fsync_file(state_path)
+    state_entry = digest_file(state_path)
+    fsync_dir(inc)
+    if final.exists():
+        log.warning("checkpoint step %d already exists at %s; replacing it", step, final)
+        shutil.rmtree(final)
+    os.rename(inc, final)
+    fsync_dir(ckpt_dir)
+    write_marker(final, step, state_entry, created)
+    log.info("checkpoint step %d committed: %s (%d files)", step, final, len(entries) + 1)
+    prune(ckpt_dir, keep_last, protect=step)
+    return None
+
+
+def prune(ckpt_dir: Path, keep_last: int, protect: int | None = None) -> list[int]:
+    """Remove committed checkpoints beyond the newest ``keep_last``; return the pruned steps."""
+    pruned = []
+    for old in layout.steps_to_prune(layout.list_steps(ckpt_dir), keep_last):
+        if old.step == protect:
+            continue
+        shutil.rmtree(old.path, ignore_errors=True)
+        pruned.append(old.step)
+    if pruned:
+        fsync_dir(ckpt_dir)
+        log.info("pruned checkpoints %s (keep_last=%d)", pruned, keep_last)
+    return pruned
+
+
+def clean_incomplete(ckpt_dir: Path) -> list[Path]:
+    """Remove ``step-N.incomplete`` leftovers of a crashed save (call only when no save runs)."""
+    stale = layout.list_incomplete(ckpt_dir)
+    for path in stale:
+        log.warning("removing %s: a save that never committed (crash or kill during the write)", path)
+        shutil.rmtree(path, ignore_errors=True)
+    return stale

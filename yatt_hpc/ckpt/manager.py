@@ -1,0 +1,209 @@
+"""The checkpoint facade the training loop calls on every rank of the MPI world.
+
+    mgr = CheckpointManager(run_dir, MPI.COMM_WORLD, keep_last=2, async_save=True)   # collective
+    restored = mgr.load_latest(identity)            # collective; None on a fresh run
+    ...
+    if should_save(step, cfg.checkpoint.interval, cfg.train.steps):
+        mgr.save(step, RankState(identity, coords, model=..., optim=..., rng=capture_rng(), ...),
+                 SharedState(counters, sampling, config_yaml))   # collective; blocks for the snapshot only
+    mgr.close()                                     # collective; waits for the save in flight
+
+Every rank of ``comm`` calls the collective methods in the same order. ``comm=None`` is a one-rank
+job (tests, tools). Threads: the background writer runs the commit collectives (gather, bcast)
+on its own duplicate of ``comm`` (``comm.Dup()``), so they can never match a collective the
+training loop issues on ``comm`` meanwhile. That needs ``MPI.Query_thread() == THREAD_MULTIPLE``
+(mpi4py's default request); with a lower level the thread only writes and fsyncs files, and the
+commit collectives run on the calling thread at the next ``save``/``wait``/``close``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Self
+
+from yatt_hpc.ckpt import layout
+from yatt_hpc.ckpt.commit import clean_incomplete, commit, write_rank_files
+from yatt_hpc.ckpt.errors import CheckpointError
+from yatt_hpc.ckpt.loader import Restored, find_latest, read_rank, read_weights
+from yatt_hpc.ckpt.state import SharedState
+from yatt_hpc.ckpt.writer import BackgroundWriter, RankState, Staging, snapshot
+
+log = logging.getLogger(__name__)
+
+
+class LocalComm:
+    """The communicator of a one-rank job: the few MPI calls the checkpoint code uses."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+    def gather(self, obj, root: int = 0):
+        return [obj]
+
+    def bcast(self, obj, root: int = 0):
+        return obj
+
+    def Barrier(self) -> None:
+        pass
+
+    def Dup(self) -> LocalComm:
+        return self
+
+    def Free(self) -> None:
+        pass
+
+
+def _thread_collectives_ok(comm) -> bool:
+    if isinstance(comm, LocalComm):
+        return True
+    from mpi4py import MPI
+
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: str | Path, comm=None, *, keep_last: int = 2, async_save: bool = True,
+                 leader: int = 0, thread_collectives: bool | None = None):
+        """Collective: the leader removes stale ``.incomplete`` dirs before anyone writes.
+
+        ``thread_collectives`` None: commit from the writer thread iff MPI is THREAD_MULTIPLE;
+        False: always commit on the calling thread at the next save/wait/close.
+        """
+        layout.steps_to_prune([], keep_last)  # validates keep_last >= 2
+        self.ckpt_dir = layout.checkpoints_dir(run_dir)
+        self.comm = comm if comm is not None else LocalComm()
+        self.leader, self.keep_last, self.async_save = leader, keep_last, async_save
+        self.is_leader = self.comm.Get_rank() == leader
+        if self.is_leader:
+            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            clean_incomplete(self.ckpt_dir)
+        self.comm.Barrier()
+        auto = _thread_collectives_ok(self.comm)
+        self._threaded_commit = auto if thread_collectives is None else (thread_collectives and auto)
+        self._wcomm = self.comm.Dup() if self._threaded_commit else None
+        self._writer = BackgroundWriter()
+        self._staging = Staging()
+        self._deferred: tuple | None = None
+        self.last_stall_s = 0.0
+
+    # ------------------------------------------------------------------ saving
+
+    def prepare(self, state: RankState) -> None:
+        """Optional, local: allocate and fault in the snapshot buffers for tensors shaped like ``state``'s.
+
+        Without it the first async save pays for that (seconds per GiB on some VMs). Call once
+        after the first optimizer step (AdamW creates its state lazily). Idempotent.
+        """
+        if self.async_save:
+            self.wait()
+            snapshot(state, self._staging)
+
+    def save(self, step: int, state: RankState, shared: SharedState | None = None) -> None:
+        """Collective. Snapshot this rank's state and write checkpoint ``step``.
+
+        Blocks for: the previous save in flight (at most one), then the host-memory snapshot.
+        ``async_save=False`` writes and commits before returning. ``shared`` counts on the leader only.
+        Raises ``CheckpointError`` (on every rank alike) if a previous save failed to commit.
+        """
+        start = time.perf_counter()
+        self.wait()
+        if not self.async_save:
+            self._write_and_commit(step, snapshot(state, None), shared, self.comm)
+            self.last_stall_s = time.perf_counter() - start
+            return
+        snap = snapshot(state, self._staging)
+        comm = self._wcomm if self._threaded_commit else None
+        self._writer.submit(lambda: self._write_and_commit(step, snap, shared, comm))
+        self.last_stall_s = time.perf_counter() - start
+
+    def _write_and_commit(self, step: int, snap: RankState, shared: SharedState | None, comm) -> None:
+        error, entries = None, []
+        try:
+            entries = write_rank_files(layout.incomplete_dir(self.ckpt_dir, step), snap)
+        except Exception as err:
+            log.exception("checkpoint step %d: writing this rank's files failed", step)
+            error = f"{type(err).__name__}: {err}"
+        if comm is None:  # no THREAD_MULTIPLE: the calling thread runs the collectives in wait()
+            self._deferred = (step, snap, shared, entries, error)
+            return
+        commit(comm, self.leader, self.ckpt_dir, step, snap, shared, entries, error, self.keep_last)
+
+    def wait(self) -> None:
+        """Collective while a save is in flight. Block until it is committed; re-raise its failure."""
+        self._writer.wait()
+        if self._deferred is not None:
+            step, snap, shared, entries, error = self._deferred
+            self._deferred = None
+            commit(self.comm, self.leader, self.ckpt_dir, step, snap, shared, entries, error, self.keep_last)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._writer.busy or self._deferred is not None
+
+    def close(self) -> None:
+        """Collective. Wait for the save in flight, then free the writer's communicator."""
+        try:
+            self.wait()
+        finally:
+            if self._wcomm is not None and self._wcomm is not self.comm:
+                self._wcomm.Free()
+            self._wcomm = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ loading
+
+    def latest_step(self) -> int | None:
+        """Collective. The leader verifies (sizes + sha256) from the newest down; all ranks get its answer."""
+        self.wait()
+        step = None
+        if self.is_leader:
+            step, _ = find_latest(self.ckpt_dir, quarantine=True)
+        return self.comm.bcast(step, root=self.leader)
+
+    def load_latest(self, identity: str) -> Restored | None:
+        """Collective. This rank's part of the latest verified checkpoint, or None on a fresh run."""
+        step = self.latest_step()
+        if step is None:
+            return None
+        restored = read_rank(layout.step_dir(self.ckpt_dir, step), identity)
+        log.info("resumed %s from checkpoint step %d", identity, step)
+        return restored
+
+    def load_from(self, source: str | Path, tp: int = 0, pp: int = 0) -> tuple[int, dict]:
+        """Collective. Weights only (shard tp, pp) of the latest verified checkpoint of another run.
+
+        ``source`` is a run directory, its ``checkpoints/`` directory, or one ``step-N`` directory.
+        """
+        answer: tuple[int | None, str] = (None, "")
+        if self.is_leader:
+            answer = resolve_source(Path(source))
+        step, where = self.comm.bcast(answer, root=self.leader)
+        if step is None:
+            raise CheckpointError(where)
+        return step, read_weights(Path(where), tp, pp)
+
+
+def resolve_source(source: Path) -> tuple[int | None, str]:
+    """(step, step dir) of the checkpoint ``source`` names, or (None, why not)."""
+    if (source / layout.COMMIT_MARKER).exists() or source.name.startswith("step-"):
+        from yatt_hpc.ckpt.manifest import verify_step
+
+        problem = verify_step(source)
+        if problem:
+            return None, f"checkpoint.load_from={source}: {problem}"
+        return int(source.name.split("-", 1)[1]), str(source)
+    ckpt_dir = layout.resolve_checkpoints_dir(source)
+    step, skipped = find_latest(ckpt_dir)
+    if step is None:
+        why = f"; skipped: {skipped}" if skipped else ""
+        return None, f"checkpoint.load_from={source}: no verified checkpoint under {ckpt_dir}{why}"
+    return step, str(layout.step_dir(ckpt_dir, step))
