@@ -13,6 +13,7 @@ import logging
 import numpy as np
 from mpi4py import MPI
 
+from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.routing import Routes
@@ -61,3 +62,23 @@ class GenRMController:
         batch.reward = np.array([combine_reward(v, r, rc.mode, rc.alpha, rc.beta, rc.parse_fail_score)
                                  for v, r in zip(verdicts, rules)], np.float32)
         return batch
+
+    # ------------------------------------------------------------------ checkpoint hooks
+
+    @property
+    def identity(self) -> str:
+        return f"genrm/r{self.world.group_rank}"
+
+    shard: dict = {}
+
+    def checkpoint_state(self, step: int) -> RankState:
+        return RankState(self.identity, rng=capture_rng())
+
+    def restore(self, restored) -> None:
+        restore_rng(restored.rng)
+
+    def load_weights(self, loaded) -> None:
+        pass
+
+    def after_resume(self, step: int) -> None:
+        pass  # the judge is frozen: nothing to restore beyond RNG

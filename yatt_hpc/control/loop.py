@@ -1,52 +1,134 @@
 """The step loop every rank runs, whatever its group, and the leader's per-step review.
 
-    StepLoop(world, cfg, controller, stats, metrics, console).run()
+    StepLoop(world, cfg, controller, stats, metrics, ckpt, stop_flag, console, run_dir, slurm).run()
 
-Each step: the leader decides (continue/stop) and broadcasts one int; every rank runs its
-controller's step; every rank sends a small report (times, sums, peaks: no samples) to the leader,
-which turns them into the run's metrics and the progress line. The leader holds decisions and
-numbers, never the batch.
+Per step: all ranks agree whether to stop (allreduce MAX of each rank's stop code: a signal seen
+by any rank, or the leader's wall-time deadline); run their controller's step; send a small report
+(times, sums, peaks: no samples) to the leader; save a checkpoint when one is due. On a stop the
+ranks save (unless the step was just saved), wait for the write, and the leader requeues the job
+or says how to continue. The leader holds decisions and numbers, never the batch.
 """
 from __future__ import annotations
 
 import json
+import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from mpi4py import MPI
 
+from yatt_hpc.ckpt import SharedState, should_save
+from yatt_hpc.control.preemption import DEADLINE, NONE, REASONS, decide_requeue, past_deadline
 from yatt_hpc.control.summary import step_scalars
 
-CONTINUE, STOP = 1, 0
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SlurmFacts:
+    """What the loop needs from the Slurm environment (read at the edge, in the worker)."""
+
+    job_id: str | None = None
+    restart_count: int = 0
+    end_time: float | None = None
 
 
 class StepLoop:
-    def __init__(self, world, cfg, controller, stats, metrics, console=None, run_dir: Path | None = None):
+    def __init__(self, world, cfg, controller, stats, metrics, ckpt, stop_flag, console=None,
+                 run_dir: Path | None = None, slurm: SlurmFacts = SlurmFacts(), config_yaml: str = ""):
         self.world, self.cfg, self.controller, self.stats = world, cfg, controller, stats
-        self.metrics, self.console, self.run_dir = metrics, console, run_dir
+        self.metrics, self.ckpt, self.stop_flag = metrics, ckpt, stop_flag
+        self.console, self.run_dir, self.slurm, self.config_yaml = console, run_dir, slurm, config_yaml
         self.history: list[dict] = []
+        self.step_seconds = 0.0
+        self.outcome = "complete"
 
-    def decide(self, step: int) -> int:
-        """Leader only: whether to run `step` (later: stop/requeue on signals)."""
-        return CONTINUE if step < self.cfg.train.steps else STOP
+    # ------------------------------------------------------------------ the loop
 
-    def run(self, start_step: int = 0) -> None:
-        step = start_step
-        started = time.perf_counter()
-        while True:
-            decision = np.array([self.decide(step) if self.world.is_leader else 0], dtype=np.int64)
-            self.world.comm.Bcast(decision, root=0)
-            if decision[0] == STOP:
+    def run(self) -> str:
+        step = self.resume()
+        last_saved, started = step, time.perf_counter()
+        while step < self.cfg.train.steps:
+            reason = self.agree_stop()
+            if reason != NONE:
+                if last_saved != step:
+                    self.save(step)
+                self.stop(reason, step)
                 break
             t0 = time.perf_counter()
             self.controller.step(step)
-            elapsed = time.perf_counter() - t0
+            self.step_seconds = time.perf_counter() - t0
             reports = self.world.comm.gather(self.stats.step_report(), root=0)
             if self.world.is_leader:
-                self.review(step, elapsed, reports)
+                self.review(step, self.step_seconds, reports)
             step += 1
-        if self.world.is_leader:
+            if should_save(step, self.cfg.checkpoint.interval, self.cfg.train.steps):
+                self.save(step)
+                last_saved = step
+        self.ckpt.close()
+        self.metrics.close()
+        if self.world.is_leader and self.outcome == "complete":
             self.finish(time.perf_counter() - started)
+        return self.outcome
+
+    def resume(self) -> int:
+        """Load the latest verified checkpoint (or `checkpoint.load_from` weights); return the next step."""
+        restored = self.ckpt.load_latest(self.controller.identity)
+        if restored is not None:
+            self.controller.restore(restored)
+            self.stats.step = restored.step
+            self.controller.after_resume(restored.step)
+            self.metrics.resume_at(restored.step)
+            if self.world.is_leader:
+                self.say(f"resumed from checkpoint step {restored.step} in {self.run_dir}")
+            if restored.step >= self.cfg.train.steps:
+                self.outcome = "already_complete"
+                if self.world.is_leader:
+                    self.say(f"run {self.run_dir} is complete ({restored.step}/{self.cfg.train.steps} steps); nothing to do")
+            return restored.step
+        if self.cfg.checkpoint.load_from:
+            self.controller.load_weights(self.ckpt.load_from(self.cfg.checkpoint.load_from, **self.controller.shard))
+            self.controller.after_resume(0)
+        return 0
+
+    def agree_stop(self) -> int:
+        code = self.stop_flag.reason_code()
+        if self.world.is_leader and code == NONE and past_deadline(time.time(), self.slurm.end_time,
+                                                                   self.step_seconds, self.ckpt.last_stall_s):
+            code = DEADLINE
+        agreed = np.array([code], dtype=np.int64)
+        self.world.comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
+        return int(agreed[0])
+
+    def save(self, step: int) -> None:
+        shared = SharedState(counters={"step": step}, config_yaml=self.config_yaml)
+        self.ckpt.save(step, self.controller.checkpoint_state(step), shared)
+        log.info("checkpoint step %d handed to the writer (stall %.3fs)", step, self.ckpt.last_stall_s)
+
+    def stop(self, reason: int, step: int) -> None:
+        self.ckpt.wait()  # the final checkpoint is committed before anyone requeues or exits
+        self.outcome = "stopped"
+        if not self.world.is_leader:
+            return
+        decision = decide_requeue(reason, self.slurm.restart_count, self.cfg.slurm.max_requeues,
+                                  self.slurm.job_id is not None)
+        log.warning("stopping at step %d (%s): %s", step, REASONS[reason], decision.reason)
+        self.say(f"stopped at step {step}/{self.cfg.train.steps} ({REASONS[reason]}); checkpoint step-{step} saved. "
+                 f"{decision.reason}")
+        if decision.requeue:
+            from yatt_hpc.launch.requeue import requeue_job
+
+            if requeue_job(self.slurm.job_id):
+                self.outcome = "requeued"
+
+    # ------------------------------------------------------------------ the leader's review
+
+    def say(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(text, highlight=False)
+        log.info(text)
 
     def review(self, step: int, elapsed: float, reports: list[dict]) -> None:
         scalars = step_scalars(reports, elapsed, leader_report=reports[0])
@@ -64,7 +146,10 @@ class StepLoop:
     def finish(self, wall: float) -> None:
         from yatt_hpc.control.summary import print_summary, run_summary
 
-        summary = run_summary(self.history, wall)
+        from yatt_hpc.metrics.report import read_metrics
+
+        history = read_metrics(self.run_dir) if self.run_dir is not None else self.history
+        summary = run_summary(history, wall)
         if self.run_dir is not None:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.console is not None:

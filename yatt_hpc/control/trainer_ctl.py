@@ -29,7 +29,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from yatt_hpc.ckpt import RankState, capture_rng, load_optimizer_tensors, optimizer_tensors, restore_rng
 from yatt_hpc.config.schema import RunConfig
+from yatt_hpc.control.consumed import ConsumedLog
 from yatt_hpc.control.balance import flops_coeff
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.rebalance import Rebalancer
@@ -55,6 +57,7 @@ class TrainerController:
         self.is_owner = coords["tp"] == 0 and coords["cp"] == 0 and coords["pp"] == 0
         self.replica_comm = world.group_comm.Split(self.dp_rank, world.group_rank)
         self.balancer = self._build_balancer()
+        self.consumed = ConsumedLog(run_dir / "data" / f"consumed-dp{self.dp_rank}.jsonl", enabled=self.is_owner)
         self.n = cfg.rollout.samples_per_prompt
         self.per_replica = cfg.train.prompts_per_step // self.routes.dp
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -131,6 +134,7 @@ class TrainerController:
         send_batch(self.world.comm, self.routes.rollout_for(self.dp_rank), TAG_PROMPTS, batch)
         self.stats.hold(-len(batch))  # sent: the samples now live on the rollout rank
         self.stats.add("prompts_consumed", len(rows))
+        self.consumed.record(step, positions, [r["id"] for r in rows])
 
     def collect_scored(self) -> SampleBatch:
         batch, _ = recv_batch(self.world.comm, self.routes.genrm_for(self.dp_rank), TAG_SCORED)
@@ -166,6 +170,50 @@ class TrainerController:
         dests = targets if self.is_owner else []
         sent = send_weights(self.world.comm, dests, self.policy.hf_weights(), self.cfg.rollout.weight_sync_bucket_mb)
         self.stats.add("weight_sync_bytes", sent)
+
+    # ------------------------------------------------------------------ checkpoint hooks
+
+    @property
+    def identity(self) -> str:
+        return f"trainer/dp{self.dp_rank}/tp{self.tp_rank}/pp0"
+
+    @property
+    def shard(self) -> dict[str, int]:
+        return {"tp": self.tp_rank, "pp": 0}
+
+    def checkpoint_state(self, step: int) -> RankState:
+        """Parameters (dp rank 0 of the shard), optimizer state, RNG, data position of this rank."""
+        model = self.policy.model
+        params = None
+        if self.dp_rank == 0:
+            params = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        optim, meta = optimizer_tensors(self.policy.optimizer, model.named_parameters())
+        position = {"next_position": int(self.shard_positions(step)[0]), "step": step, "world_rank": self.world.rank}
+        return RankState(self.identity, {"dp": self.dp_rank, "tp": self.tp_rank, "pp": 0}, model=params,
+                         optim=optim, optim_meta=meta, rng=capture_rng(), data_position=position)
+
+    def restore(self, restored) -> None:
+        from yatt_hpc.train.megatron_model import load_megatron_shard
+
+        load_megatron_shard(self.policy.model, restored.model)
+        load_optimizer_tensors(self.policy.optimizer, self.policy.model.named_parameters(),
+                               restored.optim, restored.optim_meta)
+        restore_rng(restored.rng)
+        want = int(self.shard_positions(restored.step)[0])
+        got = int(restored.data_position["next_position"])
+        assert got == want, f"data position {got} saved for {self.identity} != {want} recomputed"
+        self.consumed.truncate(restored.step)
+
+    def load_weights(self, loaded) -> None:
+        from yatt_hpc.train.megatron_model import load_megatron_shard
+
+        step, weights = loaded
+        load_megatron_shard(self.policy.model, weights)
+        log.info("initialized weights from %s (its step %d)", self.cfg.checkpoint.load_from, step)
+
+    def after_resume(self, step: int) -> None:
+        """The rollout engines still hold the initial weights: send them the restored ones."""
+        self.sync_weights()
 
     def report(self, batch: SampleBatch, update) -> None:
         if not self.is_owner:

@@ -67,17 +67,25 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def run_rank(group: str, run_dir: Path) -> None:
+def run_rank(group: str, run_dir: Path) -> str:
+    import os
+
     from rich.console import Console
 
+    from yatt_hpc.ckpt import CheckpointManager
     from yatt_hpc.config import load_config
-    from yatt_hpc.control.loop import StepLoop
+    from yatt_hpc.control.loop import SlurmFacts, StepLoop
+    from yatt_hpc.control.preemption import StopFlag
     from yatt_hpc.control.rank_stats import RankStats
     from yatt_hpc.control.world import build_world
+    from yatt_hpc.launch.requeue import job_end_time
+    from yatt_hpc.launch.slurm_env import SlurmEnv
     from yatt_hpc.metrics import build_metrics
     from yatt_hpc.placement import plan
 
+    stop_flag = StopFlag.install()  # first: a signal during the slow start-up must not kill us mid-write
     quiet_libraries()
+    config_yaml = (run_dir / "config.yaml").read_text()
     cfg = load_config(run_dir / "config.yaml")
     world = build_world(plan(cfg), MPI.COMM_WORLD, expected_group=group)
     check_model_dirs(cfg)
@@ -86,12 +94,18 @@ def run_rank(group: str, run_dir: Path) -> None:
     controller = build_controller(world, cfg, run_dir, stats)
     metrics = build_metrics(run_dir, is_writer=world.is_leader, tensorboard=cfg.logging.tensorboard)
     console = Console(force_terminal=sys.stdout.isatty(), width=160) if world.is_leader else None
+    slurm_env = SlurmEnv.from_environ(os.environ)
+    slurm = SlurmFacts(slurm_env.job_id, slurm_env.restart_count, job_end_time(os.environ))
+    ckpt = CheckpointManager(run_dir, world.comm, keep_last=cfg.checkpoint.keep_last,
+                             async_save=cfg.checkpoint.async_save)
     try:
-        StepLoop(world, cfg, controller, stats, metrics, console, run_dir).run()
+        outcome = StepLoop(world, cfg, controller, stats, metrics, ckpt, stop_flag, console, run_dir, slurm,
+                           config_yaml).run()
     finally:
         metrics.close()
-    logging.getLogger(__name__).info("done")
+    logging.getLogger(__name__).info("done: %s", outcome)
     world.comm.Barrier()
+    return outcome
 
 
 def main(argv: list[str] | None = None) -> None:

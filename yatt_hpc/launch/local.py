@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -58,5 +59,14 @@ def launch_run(cfg: RunConfig, plan: Plan, run_dir: Path) -> int:
     environ = dict(os.environ)
     argv = launch_argv(plan, run_dir, environ)
     (run_dir / "launch.sh").write_text("#!/bin/sh\n" + render(argv) + "\n")
-    proc = subprocess.run(argv, env=launch_env(environ))
-    return proc.returncode
+    # Own session: a terminal Ctrl-C must not make mpirun kill the ranks mid-write. We forward
+    # SIGINT/SIGTERM/SIGUSR2 as SIGUSR2, which mpirun and srun pass to every rank: they agree to
+    # stop at the next step boundary, save, and exit.
+    proc = subprocess.Popen(argv, env=launch_env(environ), start_new_session=True)
+    forward = lambda signum, _frame: proc.send_signal(signal.SIGUSR2)  # noqa: E731
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
