@@ -1,6 +1,5 @@
 """Real Slurm: an sbatch job whose `srun --mpi=pmix` step is one MPI world split into plan groups."""
 import json
-import os
 import shlex
 
 from tests.conftest import PYTHON, REPO

@@ -7,8 +7,9 @@ fix; the CLI prints it and exits 2. Nothing here prints or exits by itself.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

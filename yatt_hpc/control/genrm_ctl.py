@@ -13,8 +13,8 @@ import logging
 import numpy as np
 from mpi4py import MPI
 
-from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
 from yatt_hpc.config.schema import RunConfig
+from yatt_hpc.control.controller import BaseController
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.routing import Routes
 from yatt_hpc.control.wire import TAG_SAMPLES, TAG_SCORED, SampleBatch, recv_batch, send_batch
@@ -25,7 +25,7 @@ from yatt_hpc.reward.verifier import rule_score
 log = logging.getLogger(__name__)
 
 
-class GenRMController:
+class GenRMController(BaseController):
     def __init__(self, world, cfg: RunConfig, stats: RankStats):
         self.world, self.cfg, self.stats = world, cfg, stats
         self.routes = Routes(world.plan)
@@ -68,17 +68,3 @@ class GenRMController:
     @property
     def identity(self) -> str:
         return f"genrm/r{self.world.group_rank}"
-
-    shard: dict = {}
-
-    def checkpoint_state(self, step: int) -> RankState:
-        return RankState(self.identity, rng=capture_rng())
-
-    def restore(self, restored) -> None:
-        restore_rng(restored.rng)
-
-    def load_weights(self, loaded) -> None:
-        pass
-
-    def after_resume(self, step: int) -> None:
-        pass  # the judge is frozen: nothing to restore beyond RNG

@@ -76,11 +76,14 @@ class StepLoop:
     def resume(self) -> int:
         """Load the latest verified checkpoint (or `checkpoint.load_from` weights); return the next step."""
         restored = self.ckpt.load_latest(self.controller.identity)
+        start = restored.step if restored is not None else 0
+        # whatever a killed attempt logged past the checkpoint is redone: forget it
+        self.controller.rewind_logs(start)
+        self.metrics.resume_at(start)
         if restored is not None:
             self.controller.restore(restored)
             self.stats.step = restored.step
             self.controller.after_resume(restored.step)
-            self.metrics.resume_at(restored.step)
             if self.world.is_leader:
                 self.say(f"resumed from checkpoint step {restored.step} in {self.run_dir}")
             if restored.step >= self.cfg.train.steps:
@@ -145,7 +148,6 @@ class StepLoop:
 
     def finish(self, wall: float) -> None:
         from yatt_hpc.control.summary import print_summary, run_summary
-
         from yatt_hpc.metrics.report import read_metrics
 
         history = read_metrics(self.run_dir) if self.run_dir is not None else self.history

@@ -23,7 +23,7 @@ class StopFlag:
         self.signum: int | None = None
 
     @classmethod
-    def install(cls) -> "StopFlag":
+    def install(cls) -> StopFlag:
         flag = cls()
         for sig in STOP_SIGNALS:
             signal.signal(sig, flag._handle)

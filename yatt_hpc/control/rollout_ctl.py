@@ -13,20 +13,27 @@ import logging
 import numpy as np
 from mpi4py import MPI
 
-from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
 from yatt_hpc.config.schema import RunConfig
+from yatt_hpc.control.controller import BaseController
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.routing import Routes
 from yatt_hpc.control.weight_sync import recv_weights
-from yatt_hpc.control.wire import (TAG_PROMPTS, TAG_SAMPLES, TAG_WEIGHTS, SampleBatch, recv_batch, send_batch,
-                                   wait_for_message)
+from yatt_hpc.control.wire import (
+    TAG_PROMPTS,
+    TAG_SAMPLES,
+    TAG_WEIGHTS,
+    SampleBatch,
+    recv_batch,
+    send_batch,
+    wait_for_message,
+)
 from yatt_hpc.rollout import GenerationRequest, build_engine
 
 log = logging.getLogger(__name__)
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
 
 
-class RolloutController:
+class RolloutController(BaseController):
     def __init__(self, world, cfg: RunConfig, stats: RankStats):
         self.world, self.cfg, self.stats = world, cfg, stats
         self.routes = Routes(world.plan)
@@ -93,17 +100,6 @@ class RolloutController:
     @property
     def identity(self) -> str:
         return f"rollout/r{self.world.group_rank}"
-
-    shard: dict = {}
-
-    def checkpoint_state(self, step: int) -> RankState:
-        return RankState(self.identity, rng=capture_rng())
-
-    def restore(self, restored) -> None:
-        restore_rng(restored.rng)
-
-    def load_weights(self, loaded) -> None:
-        pass
 
     def after_resume(self, step: int) -> None:
         self.receive_weights()  # the trainer sends its restored weights

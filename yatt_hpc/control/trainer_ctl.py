@@ -31,8 +31,9 @@ from mpi4py import MPI
 
 from yatt_hpc.ckpt import RankState, capture_rng, load_optimizer_tensors, optimizer_tensors, restore_rng
 from yatt_hpc.config.schema import RunConfig
-from yatt_hpc.control.consumed import ConsumedLog
 from yatt_hpc.control.balance import flops_coeff
+from yatt_hpc.control.consumed import ConsumedLog
+from yatt_hpc.control.controller import BaseController
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.rebalance import Rebalancer
 from yatt_hpc.control.routing import Routes
@@ -45,7 +46,7 @@ from yatt_hpc.train.grpo import group_advantages
 log = logging.getLogger(__name__)
 
 
-class TrainerController:
+class TrainerController(BaseController):
     def __init__(self, world, cfg: RunConfig, run_dir: Path, stats: RankStats):
         from yatt_hpc.train import megatron_model
         from yatt_hpc.train.policy import MegatronPolicy
@@ -202,7 +203,9 @@ class TrainerController:
         want = int(self.shard_positions(restored.step)[0])
         got = int(restored.data_position["next_position"])
         assert got == want, f"data position {got} saved for {self.identity} != {want} recomputed"
-        self.consumed.truncate(restored.step)
+
+    def rewind_logs(self, step: int) -> None:
+        self.consumed.truncate(step)
 
     def load_weights(self, loaded) -> None:
         from yatt_hpc.train.megatron_model import load_megatron_shard

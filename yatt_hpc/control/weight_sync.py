@@ -10,7 +10,7 @@ the bucket goes alone in its own bucket.
 from __future__ import annotations
 
 import json
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch

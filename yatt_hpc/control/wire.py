@@ -72,7 +72,7 @@ class SampleBatch:
     def answers(self) -> list[str]:
         return [a.tobytes().decode("utf-8") for a in self.ragged("answer")]
 
-    def select(self, index: np.ndarray) -> "SampleBatch":
+    def select(self, index: np.ndarray) -> SampleBatch:
         """A new batch with the samples at `index`, in that order."""
         index = np.asarray(index, dtype=np.int64)
         out = {}
@@ -85,12 +85,12 @@ class SampleBatch:
                 out[f.name] = col[index]
         return SampleBatch(**out)
 
-    def sorted_by_id(self) -> "SampleBatch":
+    def sorted_by_id(self) -> SampleBatch:
         """Samples in sample-id order: downstream math must not depend on message arrival order."""
         return self.select(np.argsort(self.sample_id, kind="stable"))
 
     @staticmethod
-    def concat(batches: list["SampleBatch"]) -> "SampleBatch":
+    def concat(batches: list[SampleBatch]) -> SampleBatch:
         if not batches:
             return SampleBatch()
         return SampleBatch(**{f.name: np.concatenate([getattr(b, f.name) for b in batches]) for f in fields(SampleBatch)})

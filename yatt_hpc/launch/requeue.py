@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
-from typing import Mapping
+from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
 

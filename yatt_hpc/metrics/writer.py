@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 
 class BaseMetrics:

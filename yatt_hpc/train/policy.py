@@ -67,7 +67,7 @@ class MegatronPolicy:
 
     @classmethod
     def from_hf(cls, model_dir: str | Path, tp_rank: int, tp_size: int, cfg: TrainConfig,
-                dtype: torch.dtype = torch.float32) -> "MegatronPolicy":
+                dtype: torch.dtype = torch.float32) -> MegatronPolicy:
         model_dir = Path(model_dir)
         hf_config = AutoConfig.from_pretrained(str(model_dir))
         hf_state = load_hf_state_dict(model_dir)

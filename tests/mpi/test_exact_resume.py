@@ -1,0 +1,95 @@
+"""Exact resume under real mpirun: interrupted runs end with bitwise the same weights and data.
+
+Run K steps straight through; run again and stop it with SIGTERM mid-run (it saves and exits),
+then resume; run a third time and SIGKILL every rank mid-run (no save: only periodic checkpoints
+survive, possibly with an async write torn), then resume. All three must end with identical
+parameters and the identical sequence of consumed prompt positions.
+"""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, mpi_env
+
+CONFIG = str(REPO / "configs/demo_cpu.yaml")
+K = 6
+ARGS = ["--set", f"train.steps={K}", "--set", "train.prompts_per_step=8", "--set", "rollout.samples_per_prompt=4",
+        "--set", "checkpoint.interval=2", "--set", "logging.progress=false"]
+
+
+def cmd(run_dir):
+    return [sys.executable, "-m", "yatt_hpc.cli", "run", CONFIG, "--run-dir", str(run_dir), *ARGS]
+
+
+def finished_steps(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def start_and_interrupt(run_dir, after_steps: int, how: str):
+    proc = subprocess.Popen(cmd(run_dir), cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while finished_steps(run_dir) < after_steps and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(random.uniform(0.0, 0.5))  # land inside a step, or inside an async write
+    if how == "term":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, mpirun and every rank: no chance to save
+        subprocess.run(["pkill", "-9", "-f", f"--run-dir {run_dir}"], check=False)
+    out, _ = proc.communicate(timeout=120)
+    return proc.returncode, out
+
+
+def final_state(run_dir):
+    weights = load_file(str(run_dir / "checkpoints" / f"step-{K}" / "model-tp0-pp0.safetensors"))
+    consumed = []
+    for dp in (0, 1):
+        rows = [json.loads(line) for line in (run_dir / "data" / f"consumed-dp{dp}.jsonl").read_text().splitlines()]
+        consumed.append([(r["step"], r["positions"]) for r in rows])
+    return weights, consumed
+
+
+@pytest.fixture(scope="module")
+def straight(mpirun, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    proc = subprocess.run(cmd(run_dir), cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_state(run_dir)
+
+
+def assert_same(a, b):
+    wa, ca = a
+    wb, cb = b
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), f"{name} differs after resume"
+    assert ca == cb, "consumed prompt sequence differs"
+    positions = [p for replica in ca for _, ps in replica for p in ps]
+    assert len(positions) == len(set(positions)) == K * 8, "a prompt was lost or repeated"
+
+
+@pytest.mark.parametrize("how", ["term", "kill"])
+def test_interrupted_run_resumes_bitwise_identical(straight, tmp_path, how):
+    run_dir = tmp_path / "run"
+    code, out = start_and_interrupt(run_dir, after_steps=random.randint(1, K - 2), how=how)
+    if how == "term":
+        assert code == 0, out[-3000:]
+        assert "run the same command again to resume" in out
+    assert finished_steps(run_dir) < K, "the interruption came too late to test anything"
+    proc = subprocess.run(cmd(run_dir), cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    if how == "term":
+        assert "resumed from checkpoint step" in proc.stdout
+    assert_same(final_state(run_dir), straight)
+    again = subprocess.run(cmd(run_dir), cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "is complete" in again.stdout
