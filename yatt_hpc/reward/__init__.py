@@ -1,0 +1,1 @@
+"""Scoring responses: the rule verifier and the generative reward model (GenRM) judge."""
