@@ -10,7 +10,7 @@ here: they belong to the placement plan (`yatt_hpc.placement`).
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -80,7 +80,7 @@ class TrainConfig(Section):
     balance: Literal["flops", "tokens", "none"] = "flops"
     """Data-parallel load balancing before the update: Karmarkar-Karp over a FLOPs proxy (a*L + L^2),
     over plain token counts, or none. Whole GRPO groups move; a group is never split."""
-    balance_flops_coeff: Optional[float] = Field(None, gt=0)
+    balance_flops_coeff: float | None = Field(None, gt=0)
     """`a` in the FLOPs proxy a*L + L^2; null derives 6*hidden_size from the model."""
 
 
@@ -99,6 +99,11 @@ class RolloutConfig(Section):
     """Nucleus sampling mass."""
     weight_sync_bucket_mb: float = Field(64.0, gt=0)
     """Size of one trainer -> rollout weight-sync bucket in MiB."""
+    stream_chunk: int = Field(8, ge=1)
+    """In `partial` and `disjoint` placement, samples are generated and streamed to GenRM in chunks
+    of this many, so scoring overlaps generation (`colocate` sends each replica's batch whole)."""
+    stream_queue: int = Field(4, ge=1)
+    """Chunks a rollout rank may have in flight to GenRM before it waits (backpressure)."""
 
 
 class RewardConfig(Section):
@@ -137,9 +142,9 @@ class GroupPlacement(Section):
     """Pipeline-parallel size."""
     cp: int = Field(1, ge=1)
     """Context-parallel size (trainer only; must stay 1 for rollout and GenRM)."""
-    dp: Optional[int] = Field(None, ge=1)
+    dp: int | None = Field(None, ge=1)
     """Data-parallel size; null derives it from the rank count. If set it must match the rank count."""
-    mem: Optional[str] = None
+    mem: str | None = None
     """Memory per node for Slurm (e.g. `64G`); null leaves Slurm's default."""
 
 
@@ -178,7 +183,7 @@ class CheckpointConfig(Section):
     """Committed checkpoints to keep (at least 2, so a corrupt latest still has a predecessor)."""
     async_save: bool = Field(True, alias="async")
     """Write in a background thread after a host-memory snapshot (YAML key: `async`)."""
-    load_from: Optional[str] = None
+    load_from: str | None = None
     """Start a fresh run from another run's checkpoint directory (weights only)."""
 
 
@@ -187,13 +192,13 @@ class SlurmConfig(Section):
 
     job_name: str = "yatt-hpc"
     """Slurm job name."""
-    partition: Optional[str] = None
+    partition: str | None = None
     """Partition; null uses the cluster default."""
     time: str = "01:00:00"
     """Wall-time limit (Slurm format, e.g. `4:00:00` or `1-00:00:00`)."""
-    account: Optional[str] = None
+    account: str | None = None
     """Account to charge; null uses the user's default."""
-    qos: Optional[str] = None
+    qos: str | None = None
     """Quality of service; null uses the default."""
     signal: str = "USR2@90"
     """Signal Slurm sends before the time limit or on preemption (`SIG@seconds`): the save-and-requeue trigger."""
@@ -252,7 +257,7 @@ class RunConfig(Section):
     """Metrics and logs."""
 
     @model_validator(mode="after")
-    def _cross_section(self) -> "RunConfig":
+    def _cross_section(self) -> RunConfig:
         if self.rollout.engine == "sglang" and self.placement.rollout.devices_per_task == 0:
             raise ValueError("rollout.engine=sglang needs GPUs but placement.rollout.devices_per_task=0; "
                              "set placement.rollout.devices_per_task to rollout tp*pp, or use rollout.engine=hf")

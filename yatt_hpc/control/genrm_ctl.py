@@ -15,9 +15,10 @@ from mpi4py import MPI
 
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.control.controller import BaseController
+from yatt_hpc.control.phases import PhaseGate
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.routing import Routes
-from yatt_hpc.control.wire import TAG_SAMPLES, TAG_SCORED, SampleBatch, recv_batch, send_batch
+from yatt_hpc.control.wire import TAG_SAMPLES, TAG_SCORED, SampleBatch, StreamSender, recv_batch
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.reward.genrm import GenRMJudge, combine_reward
 from yatt_hpc.reward.verifier import rule_score
@@ -30,6 +31,7 @@ class GenRMController(BaseController):
         self.world, self.cfg, self.stats = world, cfg, stats
         self.routes = Routes(world.plan)
         self.replicas = self.routes.replicas_of_genrm(world.rank)
+        self.gate = PhaseGate(world.comm, enabled=world.plan.mode == "colocate")
         self.policy_tokenizer = load_tokenizer(cfg.model.path)
         rc = cfg.reward
         self.judge = None
@@ -39,14 +41,28 @@ class GenRMController(BaseController):
         log.info("genrm rank scores trainer replicas %s (mode %s)", self.replicas, rc.mode)
 
     def step(self, step: int) -> None:
-        for _ in self.replicas:
+        """Score chunks as they arrive; hand each replica its samples once all of them are scored."""
+        per_replica = self.cfg.train.prompts_per_step // self.routes.dp * self.cfg.rollout.samples_per_prompt
+        waiting = {self.routes.trainer_owner(d): per_replica for d in self.replicas}
+        scored_by_owner: dict[int, list[SampleBatch]] = {owner: [] for owner in waiting}
+        sender = StreamSender(self.world.comm, max_inflight=len(waiting) + 1)
+        self.gate.cross("generated")
+        while waiting:
             batch, _ = recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES)
             self.stats.hold(len(batch))
             with self.stats.phase("reward"):
                 scored = self.score(batch.sorted_by_id())
-            send_batch(self.world.comm, int(scored.owner[0]), TAG_SCORED, scored)
-            self.stats.hold(-len(scored))
-            self.stats.add("scored", len(scored))
+            owner = int(scored.owner[0])
+            scored_by_owner[owner].append(scored)
+            waiting[owner] -= len(scored)
+            if waiting[owner] == 0:
+                done = SampleBatch.concat(scored_by_owner.pop(owner)).sorted_by_id()
+                sender.send(owner, TAG_SCORED, done)
+                self.stats.hold(-len(done))
+                self.stats.add("scored", len(done))
+                del waiting[owner]
+        self.gate.cross("scored")
+        sender.drain()
 
     def score(self, batch: SampleBatch) -> SampleBatch:
         rc = self.cfg.reward

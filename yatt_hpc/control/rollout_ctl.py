@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.control.controller import BaseController
+from yatt_hpc.control.phases import PhaseGate
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.routing import Routes
 from yatt_hpc.control.weight_sync import recv_weights
@@ -23,8 +24,8 @@ from yatt_hpc.control.wire import (
     TAG_SAMPLES,
     TAG_WEIGHTS,
     SampleBatch,
+    StreamSender,
     recv_batch,
-    send_batch,
     wait_for_message,
 )
 from yatt_hpc.rollout import GenerationRequest, build_engine
@@ -39,6 +40,7 @@ class RolloutController(BaseController):
         self.routes = Routes(world.plan)
         self.replicas = self.routes.replicas_of_rollout(world.rank)
         self.colocate = world.plan.mode == "colocate"
+        self.gate = PhaseGate(world.comm, enabled=self.colocate)
         device = "cuda" if world.plan.group("rollout").devices_per_task else "cpu"
         self.engine = build_engine(cfg.rollout.engine, cfg.model.path, device=device,
                                    tp_size=world.plan.group("rollout").size("tp"), seed=cfg.train.seed)
@@ -56,17 +58,27 @@ class RolloutController(BaseController):
         if self.colocate:
             with self.stats.phase("resume"):
                 self.engine.resume_memory()
-        with self.stats.phase("rollout"):
-            done = self.generate(prompts)
+        # colocate: the whole batch, then GenRM takes the devices; otherwise stream chunks so that
+        # scoring overlaps generation (bounded by stream_queue chunks in flight)
+        chunk = len(prompts) if self.colocate else self.cfg.rollout.stream_chunk
+        # colocate: every send must be in flight before the gate, where GenRM starts receiving
+        sender = StreamSender(self.world.comm, len(self.replicas) if self.colocate else self.cfg.rollout.stream_queue)
+        generated = 0
+        for start in range(0, len(prompts), chunk):
+            with self.stats.phase("rollout"):
+                done = self.generate(prompts.select(np.arange(start, min(start + chunk, len(prompts)))))
+            generated += len(done)
+            for owner in np.unique(done.owner):
+                part = done.select(np.flatnonzero(done.owner == owner))
+                sender.send(self.routes.genrm_for(self.routes.trainer_coords(int(owner))["dp"]), TAG_SAMPLES, part)
+                self.stats.hold(-len(part))
         if self.colocate:
             with self.stats.phase("release"):
                 self.engine.release_memory()
-        for owner in np.unique(done.owner):
-            part = done.select(np.flatnonzero(done.owner == owner))
-            dp = self.routes.trainer_coords(int(owner))["dp"]
-            send_batch(self.world.comm, self.routes.genrm_for(dp), TAG_SAMPLES, part)
-            self.stats.hold(-len(part))
-        self.stats.add("generated", len(done))
+        self.gate.cross("generated")
+        sender.drain()
+        self.gate.cross("scored")
+        self.stats.add("generated", generated)
         self.receive_weights()
 
     def generate(self, prompts: SampleBatch) -> SampleBatch:

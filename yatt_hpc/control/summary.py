@@ -50,6 +50,8 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         "time/weight_sync": _max_time(reports, "weight_sync", "trainer"),
         "throughput/tokens_per_s": response_tokens / max(step_seconds, 1e-9),
         "data/prompts_consumed": _sum(reports, "prompts_consumed"),
+        "rollout/generated": _sum(reports, "generated", "rollout"),
+        "reward/scored": _sum(reports, "scored", "genrm"),
         "balance/max_over_mean_before": _max_value(reports, "balance_before", default=1.0),
         "balance/max_over_mean_after": _max_value(reports, "balance_after", default=1.0),
         "balance/moved_groups": _max_value(reports, "balance_moved", default=0.0),

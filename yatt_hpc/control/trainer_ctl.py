@@ -34,6 +34,7 @@ from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.control.balance import flops_coeff
 from yatt_hpc.control.consumed import ConsumedLog
 from yatt_hpc.control.controller import BaseController
+from yatt_hpc.control.phases import PhaseGate
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.rebalance import Rebalancer
 from yatt_hpc.control.routing import Routes
@@ -58,6 +59,7 @@ class TrainerController(BaseController):
         self.is_owner = coords["tp"] == 0 and coords["cp"] == 0 and coords["pp"] == 0
         self.replica_comm = world.group_comm.Split(self.dp_rank, world.group_rank)
         self.balancer = self._build_balancer()
+        self.gate = PhaseGate(world.comm, enabled=world.plan.mode == "colocate")
         self.consumed = ConsumedLog(run_dir / "data" / f"consumed-dp{self.dp_rank}.jsonl", enabled=self.is_owner)
         self.n = cfg.rollout.samples_per_prompt
         self.per_replica = cfg.train.prompts_per_step // self.routes.dp
@@ -92,6 +94,9 @@ class TrainerController(BaseController):
     def step(self, step: int) -> None:
         if self.is_owner:
             self.dispatch_prompts(step)                     # generate (on rollout ranks)
+        self.gate.cross("generated")
+        self.gate.cross("scored")
+        if self.is_owner:
             batch = self.collect_scored()                   # score (on GenRM ranks)
             batch = self.balance(batch)                     # even out work across DP replicas
         else:

@@ -109,6 +109,38 @@ def send_batch(comm, dest: int, tag: int, batch: SampleBatch) -> None:
             comm.Send(col, dest=dest, tag=tag)
 
 
+def isend_batch(comm, dest: int, tag: int, batch: SampleBatch) -> tuple[list, list]:
+    """Non-blocking send; returns (requests, buffers): keep the buffers alive until the requests complete."""
+    header = np.array([len(batch)] + [getattr(batch, c).size for c in _COLUMNS], dtype=np.int64)
+    buffers = [header] + [np.ascontiguousarray(getattr(batch, c), dtype=_DTYPES[c]) for c in _COLUMNS]
+    requests = [comm.Isend(header, dest=dest, tag=tag)]
+    requests += [comm.Isend(col, dest=dest, tag=tag) for col in buffers[1:] if col.size]
+    return requests, buffers
+
+
+class StreamSender:
+    """A bounded queue of in-flight batch sends: `send` waits for the oldest once `max_inflight` are pending."""
+
+    def __init__(self, comm, max_inflight: int, poll_s: float = 0.002):
+        self.comm, self.max_inflight, self.poll_s = comm, max_inflight, poll_s
+        self._pending: list[tuple[list, list]] = []
+
+    def send(self, dest: int, tag: int, batch: SampleBatch) -> None:
+        while len(self._pending) >= self.max_inflight:
+            self._wait_oldest()
+        self._pending.append(isend_batch(self.comm, dest, tag, batch))
+
+    def drain(self) -> None:
+        while self._pending:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        requests, _buffers = self._pending[0]
+        while not MPI.Request.Testall(requests):
+            time.sleep(self.poll_s)
+        self._pending.pop(0)
+
+
 def recv_batch(comm, source: int, tag: int, poll_s: float = 0.002) -> tuple[SampleBatch, int]:
     """Receive one batch; returns it with the sender's rank (useful with MPI.ANY_SOURCE)."""
     status = MPI.Status()

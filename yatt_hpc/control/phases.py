@@ -1,0 +1,27 @@
+"""Phase gates of full colocation: rollout, then GenRM, then training, never two at once.
+
+    gate = PhaseGate(world.comm, enabled=plan.mode == "colocate")
+    gate.cross("generated")    # every rank of the world, in the same order, once per step
+    gate.cross("scored")
+
+In colocation the three groups share the same devices, so each heavy phase must finish on every
+rank before the next one starts: a world barrier between them. Sends that cross a gate are
+non-blocking and drained after it, so a rank waiting at the gate never blocks a sender. The
+barrier is polled (Ibarrier + sleep) so waiting ranks leave the cores to the working ones.
+Other modes overlap phases on purpose, and the gate does nothing.
+"""
+from __future__ import annotations
+
+import time
+
+
+class PhaseGate:
+    def __init__(self, comm, enabled: bool, stats=None, poll_s: float = 0.002):
+        self.comm, self.enabled, self.stats, self.poll_s = comm, enabled, stats, poll_s
+
+    def cross(self, name: str) -> None:
+        if not self.enabled:
+            return
+        request = self.comm.Ibarrier()
+        while not request.Test():
+            time.sleep(self.poll_s)
