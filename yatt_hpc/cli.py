@@ -211,13 +211,13 @@ def status_cmd(job: str | None) -> None:
 @_slurm_errors
 def logs_cmd(job: str, group: str | None, follow: bool) -> None:
     """Print a job's launcher logs (one per restart), or with --group its ranks' logs."""
+    from contextlib import suppress
+
     from yatt_hpc.launch.jobs import find_logs, require_slurm, show_logs
 
     require_slurm("logs")
-    try:
+    with suppress(KeyboardInterrupt):  # Ctrl-C ends --follow
         show_logs(find_logs(job), group, follow)
-    except KeyboardInterrupt:
-        pass
 
 
 @main.command("cancel")
@@ -239,9 +239,9 @@ for _verb, (_help, _issue) in _PENDING.items():
                  context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(
         click.argument("args", nargs=-1, type=click.UNPROCESSED)(_not_implemented(_verb, _issue)))
 
-from yatt_hpc.ckpt.cli import ckpt as _ckpt_group  # noqa: E402 - `yatt-hpc ckpt list|verify|export-hf`
+from yatt_hpc.ckpt.cli import ckpt as _ckpt_group
 
-main.add_command(_ckpt_group)
+main.add_command(_ckpt_group)  # yatt-hpc ckpt list / verify / export-hf
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -104,6 +104,9 @@ def test_launch_lines_are_one_mpmd_world():
     assert local.count(" : ") == 2 and "-np 4 py -m yatt_hpc.control.worker --group trainer --run-dir 'runs/x y'" in local
     srun = srun_launch(p, "r", python="py")
     assert srun[:3] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1"]
-    assert [w for w in srun if w.startswith("--het-group")] == ["--het-group=0", "--het-group=1", "--het-group=2"]
+    # one step over all het components; rank_group maps each world rank to its group's --group
+    assert [w for w in srun if w.startswith("--het-group")] == ["--het-group=0-2"]
+    assert "trainer=0-3,rollout=4-4,genrm=5-5" in srun and ":" not in srun
+    # shared nodes: Slurm gives each component of a het step its own nodes, so one plain step placed rank by rank
     shared = srun_launch(plan(cfg("colocate_gpu.yaml")), "r", python="py")
-    assert shared.count("--overlap") == 3 and "--gpus-per-task=2" in shared
+    assert "--distribution=arbitrary" in shared and "--ntasks=80" in shared and ":" not in shared

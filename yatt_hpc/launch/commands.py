@@ -1,7 +1,7 @@
 """Pure rendering of the one MPMD launch that starts every group as ranks of one MPI world.
 
     argv = local_launch(plan, run_dir)            # mpirun ... : ... : ...   (no Slurm)
-    argv = srun_launch(plan, run_dir)             # srun --mpi=pmix ... : ... : ...  (inside an allocation)
+    argv = srun_launch(plan, run_dir)             # srun --mpi=pmix ... (inside an allocation)
     print(shlex.join(argv))
 
 Each component runs the same worker module with `--group NAME`; the worker checks its world
@@ -12,11 +12,12 @@ executes these commands.
 from __future__ import annotations
 
 import shlex
-from typing import Sequence
+from collections.abc import Sequence
 
-from yatt_hpc.placement import GroupPlan, Plan
+from yatt_hpc.placement import Plan
 
 WORKER_MODULE = "yatt_hpc.control.worker"
+RANK_GROUP_MODULE = "yatt_hpc.launch.rank_group"
 
 
 def worker_argv(python: str, group: str, run_dir: str) -> list[str]:
@@ -38,28 +39,37 @@ def local_launch(plan: Plan, run_dir: str, python: str = "python3", mpirun: str 
     return argv
 
 
-def srun_launch(plan: Plan, run_dir: str, python: str = "python3") -> list[str]:
-    """`srun --mpi=pmix` MPMD command inside an allocation: one step component per group.
+def srun_launch(plan: Plan, run_dir: str, python: str = "python3", program: Sequence[str] | None = None) -> list[str]:
+    """`srun --mpi=pmix` command inside an allocation: every group's ranks in one step, one MPI world.
 
-    Disjoint plans address het-job components with `--het-group=i`; shared plans give each
-    component its own shape on the same nodes and `--overlap`, since groups share devices in time.
+    Disjoint plans are heterogeneous jobs: one MPMD component per het group (`--het-group=i`).
+    Shared plans (colocate/partial) cannot use MPMD components: Slurm gives each component of a
+    heterogeneous step its own nodes. Instead one step of `world_size` tasks is placed rank by rank
+    from SLURM_HOSTFILE (`rank_hosts`, `--distribution=arbitrary`) and `yatt_hpc.launch.rank_group`
+    turns each task's SLURM_PROCID into its `--group`. `program` replaces the worker (tests).
     """
     argv = ["srun", "--mpi=pmix", "--kill-on-bad-exit=1"]
-    for index, group in enumerate(plan.groups):
-        if index:
-            argv.append(":")
-        argv += _component_flags(plan, group) + worker_argv(python, group.name, run_dir)
-    return argv
+    if plan.mode == "disjoint":
+        argv.append(f"--het-group=0-{len(plan.groups) - 1}")
+    else:
+        cpus = max(g.cpus_per_task for g in plan.groups)
+        argv += [f"--ntasks={plan.world_size}", "--distribution=arbitrary", f"--cpus-per-task={cpus}"]
+    ranges = ",".join(f"{g.name}={g.rank_start}-{g.rank_stop - 1}" for g in plan.groups)
+    return argv + [python, "-m", RANK_GROUP_MODULE, ranges, "--", *_program(python, program), "--run-dir", run_dir]
 
 
-def _component_flags(plan: Plan, group: GroupPlan) -> list[str]:
-    if group.slurm.kind == "het_component":
-        return [f"--het-group={group.slurm.component}"]
-    flags = [f"--nodes={group.nodes}", f"--ntasks={group.tasks}", f"--ntasks-per-node={group.tasks_per_node}",
-             f"--cpus-per-task={group.cpus_per_task}", "--overlap"]
-    if group.devices_per_task:
-        flags.append(f"--gpus-per-task={group.devices_per_task}")
-    return flags
+def rank_hosts(plan: Plan, nodes: Sequence[str]) -> list[str]:
+    """The SLURM_HOSTFILE of a shared-mode step: one host per world rank, in rank order.
+
+    Each group spreads over all nodes, `tasks_per_node` consecutive ranks per node, so trainer
+    ranks of one node stay contiguous (tensor parallelism inside a node).
+    """
+    assert plan.mode != "disjoint" and len(nodes) == plan.total_nodes, (plan.mode, nodes)
+    return [node for g in plan.groups for node in nodes for _ in range(g.tasks_per_node)]
+
+
+def _program(python: str, program: Sequence[str] | None) -> list[str]:
+    return list(program) if program else [python, "-m", WORKER_MODULE]
 
 
 def render(argv: Sequence[str]) -> str:

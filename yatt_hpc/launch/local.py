@@ -2,8 +2,9 @@
 
     code = launch_run(cfg, plan, Path("runs/demo"))     # mpirun locally; srun --mpi=pmix in an allocation
 
-Inside a Slurm allocation (SLURM_JOB_ID set) the ranks are started with `srun --mpi=pmix`, anywhere
-else with `mpirun`. The environment is read here, once, at the edge.
+Inside a Slurm allocation (SLURM_JOB_ID set) this hands over to `launcher.launch_in_allocation`
+(one `srun --mpi=pmix` step, the same entry as `submit` and the sbatch scripts); anywhere else it
+runs `mpirun`. The environment is read here, once, at the edge.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from yatt_hpc.config import RunConfig, to_yaml
-from yatt_hpc.launch.commands import local_launch, render, srun_launch
+from yatt_hpc.launch.commands import local_launch, render
 from yatt_hpc.placement import Plan
 
 
@@ -44,8 +45,6 @@ def launch_env(environ: dict[str, str]) -> dict[str, str]:
 
 
 def launch_argv(plan: Plan, run_dir: Path, environ: dict[str, str]) -> list[str]:
-    if environ.get("SLURM_JOB_ID"):
-        return srun_launch(plan, str(run_dir), python=sys.executable)
     mpirun = shutil.which("mpirun")
     if not mpirun:
         raise LaunchError("mpirun not found on PATH; install Open MPI (`make system-deps` or "
@@ -57,6 +56,11 @@ def launch_run(cfg: RunConfig, plan: Plan, run_dir: Path) -> int:
     """Launch and wait; returns the launcher's exit code (2 = a rank reported a user error)."""
     prepare_run_dir(cfg, run_dir)
     environ = dict(os.environ)
+    if environ.get("SLURM_JOB_ID"):  # inside an allocation: the same entry as sbatch scripts and submit
+        from yatt_hpc.launch.launcher import launch_in_allocation
+        from yatt_hpc.launch.slurm_env import SlurmEnv
+
+        return launch_in_allocation(run_dir, SlurmEnv.from_environ(environ)).return_code
     argv = launch_argv(plan, run_dir, environ)
     (run_dir / "launch.sh").write_text("#!/bin/sh\n" + render(argv) + "\n")
     # Own session: a terminal Ctrl-C must not make mpirun kill the ranks mid-write. We forward
