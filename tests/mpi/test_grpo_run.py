@@ -5,7 +5,6 @@ the leader holds only its share of samples, the same seed gives the same rewards
 takes every rank down quickly with one clear message.
 """
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -94,7 +93,7 @@ def test_dataset_row_without_prompt_stops_every_rank(mpirun, tmp_path):
     start = time.monotonic()
     proc = yatt_run(tmp_path / "run", "--set", f"data.source={data}", timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "line 2" in proc.stderr and "prompt" in proc.stderr
+    assert "data.jsonl:2" in proc.stderr and "prompt" in proc.stderr  # file:line and the missing key
     assert time.monotonic() - start < 90, "every rank must exit promptly (MPI abort), not hang"
 
 

@@ -29,15 +29,21 @@ def job_states(job_id: str) -> dict[str, str]:
     return states
 
 
-def wait_job(job_id: str, timeout: float = 180) -> dict[str, str]:
-    """Wait until the job has left the queue and sacct shows it final; return all sacct states."""
+def wait_job(job_id: str, timeout: float = 180, components: int = 0) -> dict[str, str]:
+    """Wait until the job has left the queue and sacct shows it final (the same answer twice in a
+    row: sacct briefly lists a finished het job as plain N); with `components`, until every het
+    component N+i is listed too. Returns all sacct states."""
     deadline = time.monotonic() + timeout
+    previous = None
     while time.monotonic() < deadline:
         queued = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip()
         states = job_states(job_id)
         top = [s for jid, s in states.items() if "." not in jid]
-        if not queued and top and all(s in FINAL for s in top):
-            return states
+        listed = all(f"{job_id}+{i}" in states for i in range(components))
+        if not queued and top and listed and all(s in FINAL for s in top):
+            if states == previous:
+                return states
+            previous = states
         time.sleep(1)
     subprocess.run(["scancel", job_id])
     raise AssertionError(f"job {job_id} not finished after {timeout}s: {job_states(job_id)}")

@@ -42,7 +42,7 @@ def write_report(run_dir: Path) -> Path:
     def col(key):
         return [r.get(key, float("nan")) for r in rows]
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4))
     axes[0].plot(steps, col("reward/mean"), label="reward/mean")
     axes[0].plot(steps, col("reward/accuracy"), label="reward/accuracy (rule)")
     axes[0].plot(steps, col("reward/genrm_agreement"), label="genrm agreement", alpha=0.6)
@@ -57,14 +57,57 @@ def write_report(run_dir: Path) -> Path:
         bottom = [b + v for b, v in zip(bottom, values)]
     axes[2].plot(steps, col("time/step"), color="black", label="step wall")
     axes[2].set_title("phase seconds per step")
-    for ax in axes:
+    for ax in axes[:3]:
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
+    draw_timeline(axes[3], Path(run_dir), step=rows[-1]["step"] - 1)
     fig.tight_layout()
     out = Path(run_dir) / "report.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+PHASE_COLORS = {"rollout": "tab:blue", "reward": "tab:orange", "train": "tab:green", "weight_sync": "tab:red",
+                "balance": "tab:purple", "resume": "tab:gray", "release": "tab:brown"}
+
+
+def read_timeline(run_dir: Path, step: int) -> list[tuple[str, str, float, float]]:
+    """(rank label, phase, start, end) of one step from RUN_DIR/timeline/rank-*.jsonl."""
+    events = []
+    for path in sorted((Path(run_dir) / "timeline").glob("rank-*.jsonl")):
+        label = path.stem.removeprefix("rank-")
+        for line in path.read_text().splitlines():
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if ev["step"] == step:
+                events.append((label, ev["phase"], ev["start"], ev["end"]))
+    return events
+
+
+def draw_timeline(ax, run_dir: Path, step: int) -> None:
+    """One row per rank, one bar per phase, seconds from the step's first event."""
+    events = read_timeline(run_dir, step)
+    ax.set_title(f"phase timeline of step {step + 1}")
+    if not events:
+        ax.text(0.5, 0.5, "no timeline recorded", ha="center")
+        return
+    t0 = min(e[2] for e in events)
+    labels = sorted({e[0] for e in events})
+    for label, phase, start, end in events:
+        ax.barh(labels.index(label), end - start, left=start - t0, color=PHASE_COLORS.get(phase, "black"))
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.set_xlabel("seconds")
+    handles = [plt_patch(c, p) for p, c in PHASE_COLORS.items() if any(e[1] == p for e in events)]
+    ax.legend(handles=handles, fontsize=8)
+
+
+def plt_patch(color: str, label: str):
+    from matplotlib.patches import Patch
+
+    return Patch(color=color, label=label)
 
 
 def text_summary(run_dir: Path) -> str:
