@@ -16,8 +16,8 @@ HEAVY = {"rollout": "rollout", "genrm": "reward", "trainer": "train"}
 PROMPTS, N = 8, 4
 
 
-def run_mode(run_dir, models, mode):
-    args = ["--set", f"placement.mode={mode}", "--set", f"model.path={models['policy']}",
+def run_mode(run_dir, models, mode, extra=()):
+    args = [*extra, "--set", f"placement.mode={mode}", "--set", f"model.path={models['policy']}",
             "--set", f"reward.genrm_path={models['judge']}", "--set", "train.steps=2",
             "--set", f"train.prompts_per_step={PROMPTS}", "--set", f"rollout.samples_per_prompt={N}",
             "--set", "rollout.stream_chunk=4", "--set", "logging.progress=false"]
@@ -37,15 +37,25 @@ def heavy_phases(run_dir):
     return out
 
 
-@pytest.mark.parametrize("mode", ["colocate", "partial", "disjoint"])
-def test_mode_runs_and_scores_every_sample_once(mpirun, tiny_models, tmp_path, mode):
-    proc = run_mode(tmp_path, tiny_models, mode)
+TP2 = ("--set", "placement.trainer.tasks_per_node=4", "--set", "placement.trainer.tp=2",
+       "--set", "placement.trainer.dp=null", "--set", "train.kl_coef=0.01")
+
+
+@pytest.mark.parametrize("mode, extra", [
+    pytest.param("colocate", (), id="colocate"),
+    pytest.param("partial", (), id="partial"),
+    pytest.param("disjoint", TP2, id="disjoint-trainer-tp2-dp2"),
+])
+def test_mode_runs_and_scores_every_sample_once(mpirun, tiny_models, tmp_path, mode, extra):
+    proc = run_mode(tmp_path, tiny_models, mode, extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     for r in rows:
         assert r["rollout/generated"] == r["reward/scored"] == PROMPTS * N
         assert r["data/prompts_consumed"] == PROMPTS
+        # the rollout engine samples with exactly the weights the trainer holds (weight sync, TP gather)
+        assert r["train/rollout_logp_diff_max"] < 1e-4
     phases = heavy_phases(tmp_path)
     for step in (0, 1):
         mine = [p for p in phases if p[1] == step]

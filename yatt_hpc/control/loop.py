@@ -120,11 +120,11 @@ class StepLoop:
         log.warning("stopping at step %d (%s): %s", step, REASONS[reason], decision.reason)
         self.say(f"stopped at step {step}/{self.cfg.train.steps} ({REASONS[reason]}); checkpoint step-{step} saved. "
                  f"{decision.reason}")
-        if decision.requeue:
-            from yatt_hpc.launch.requeue import requeue_job
-
-            if requeue_job(self.slurm.job_id):
-                self.outcome = "requeued"
+        if self.slurm.job_id is not None and self.run_dir is not None:
+            # the batch-level launcher acts on it once every rank has exited (nobody is killed mid-save)
+            path = self.run_dir / "logs" / f"stop_{self.slurm.job_id}_{self.slurm.restart_count}.json"
+            path.write_text(json.dumps({"step": step, "requeue": decision.requeue, "reason": decision.reason}) + "\n")
+            self.outcome = "requeue" if decision.requeue else "stopped"
 
     # ------------------------------------------------------------------ the leader's review
 

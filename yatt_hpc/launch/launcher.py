@@ -90,12 +90,14 @@ def launch_in_allocation(run_dir: Path, slurm: SlurmEnv, program: Sequence[str] 
         env["SLURM_HOSTFILE"] = str(hostfile)
     _say(f"starting {p.world_size} ranks ({p.mode}): {render(argv)}")
     start = time.monotonic()
-    code, stderr_lines = _run_step(argv, env, run_dir / "logs" / f"step_{tag}.err")
+    code, stderr_lines, signals = _run_step(argv, env, run_dir / "logs" / f"step_{tag}.err")
     failure = first_failure(stderr_lines, p, _node_groups(p, slurm)) if code else None
     summary = RunSummary(slurm.job_id or "", slurm.restart_count, p.mode, p.world_size, code,
                          round(time.monotonic() - start, 1), failure, render(argv))
     (run_dir / "logs" / f"summary_{tag}.json").write_text(json.dumps(asdict(summary), indent=1) + "\n")
     _say(summary.describe())
+    if code == 0:
+        act_on_stop(run_dir, slurm, signals)
     return summary
 
 
@@ -156,7 +158,7 @@ def first_failure(lines: Sequence[str], p: Plan, node_groups: Mapping[str, str] 
     return f"{where} on {m.group('node')}: {m.group('what').strip()}"
 
 
-def _run_step(argv: list[str], env: dict[str, str], stderr_path: Path) -> tuple[int, list[str]]:
+def _run_step(argv: list[str], env: dict[str, str], stderr_path: Path) -> tuple[int, list[str], SignalLog]:
     """Run srun with its stderr in a regular file, copied live into our stderr (the job log).
 
     Not a pipe: with srun's stderr on a pipe, heterogeneous steps on the dev cluster left srun hanging
@@ -166,11 +168,11 @@ def _run_step(argv: list[str], env: dict[str, str], stderr_path: Path) -> tuple[
         done = threading.Event()
         copier = threading.Thread(target=_copy_new_lines, args=(stderr_path, done), daemon=True)
         copier.start()
-        with forward_signals(proc):
+        with forward_signals(proc) as signals:
             code = proc.wait()
         done.set()
         copier.join(timeout=10)
-    return code, stderr_path.read_text(errors="replace").splitlines(keepends=True)
+    return code, stderr_path.read_text(errors="replace").splitlines(keepends=True), signals
 
 
 def _copy_new_lines(path: Path, done: threading.Event) -> None:
@@ -186,27 +188,59 @@ def _copy_new_lines(path: Path, done: threading.Event) -> None:
             done.wait(0.5)
 
 
+@dataclass
+class SignalLog:
+    """Signals seen while the step ran, and the handlers that were installed before ours."""
+
+    received: list[int]
+    previous: dict[int, object]
+
+
 @contextmanager
-def forward_signals(proc: subprocess.Popen, signals: Sequence[int] = FORWARDED) -> Iterator[None]:
-    """While the step runs, pass these signals on to srun (which signals every rank), then chain to the
-    handler installed before (submitit's preemption handler when run through `yatt-hpc submit`)."""
-    previous = {sig: signal.getsignal(sig) for sig in signals}
+def forward_signals(proc: subprocess.Popen, signals: Sequence[int] = FORWARDED) -> Iterator[SignalLog]:
+    """While the step runs, pass these signals on to srun (which signals every rank) and remember them.
+
+    The handler installed before (submitit's checkpoint-and-requeue under `yatt-hpc submit`) is NOT
+    called here: requeueing now would kill the ranks before they save. `act_on_stop` calls it after
+    the step has exited, if the leader decided to requeue."""
+    log = SignalLog([], {sig: signal.getsignal(sig) for sig in signals})
 
     def handler(sig: int, frame) -> None:
+        log.received.append(sig)
         if proc.poll() is None:
             _say(f"forwarding {signal.Signals(sig).name} to the step")
             proc.send_signal(sig)
-        before = previous.get(sig)
-        if callable(before):
-            before(sig, frame)
 
     for sig in signals:
         signal.signal(sig, handler)
     try:
-        yield
+        yield log
     finally:
-        for sig, before in previous.items():
+        for sig, before in log.previous.items():
             signal.signal(sig, before)
+
+
+def act_on_stop(run_dir: Path, slurm: SlurmEnv, signals: SignalLog) -> str | None:
+    """After the step: carry out the leader's stop decision (RUN_DIR/logs/stop_<job>_<restart>.json).
+
+    Requeue through the handler that was there before ours (submitit: pickles the submission and
+    runs `scontrol requeue`), or with `scontrol requeue $SLURM_JOB_ID` for hand-written scripts."""
+    path = run_dir / "logs" / f"stop_{slurm.job_id}_{slurm.restart_count}.json"
+    if not path.exists():
+        return None
+    decision = json.loads(path.read_text())
+    _say(f"the run stopped at step {decision['step']}: {decision['reason']}")
+    if not decision["requeue"]:
+        return "stopped"
+    submitit_handler = next((signals.previous[s] for s in signals.received
+                             if callable(signals.previous.get(s))), None)
+    if submitit_handler is not None:
+        _say("requeueing through submitit")
+        submitit_handler(signals.received[-1], None)  # requeues, then exits this process
+        return "requeued"
+    from yatt_hpc.launch.requeue import requeue_job
+
+    return "requeued" if requeue_job(slurm.job_id) else "requeue_failed"
 
 
 def _say(text: str) -> None:

@@ -1,0 +1,122 @@
+"""Real Slurm: a run that is requeued or killed comes back by itself and ends where it would have.
+
+(a) preemption: a job on `debug` is preempted by a job on `high` (Slurm sends the job's signal, the
+    ranks save at the next step boundary, the launcher requeues through submitit), it restarts with
+    SLURM_RESTART_COUNT >= 1, resumes and completes; final weights equal an uninterrupted local run.
+(b) `scontrol requeue` mid-run: same outcome.
+(c) SIGKILL of the job's ranks: the job fails; resubmitting the same run dir resumes from the last
+    periodic checkpoint and completes.
+"""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, mpi_env
+from yatt_hpc.config import load_config
+from yatt_hpc.launch.jobs import wait_job
+from yatt_hpc.launch.submitit_exec import submit_run
+from yatt_hpc.placement import plan
+
+DEMO = str(REPO / "configs/demo_cpu.yaml")
+STEPS = 40
+ARGS = (f"train.steps={STEPS}", "train.prompts_per_step=8", "rollout.samples_per_prompt=4",
+        "checkpoint.interval=5", "logging.progress=false")
+SLURM_ARGS = ("slurm.env.OMPI_MCA_btl=self,tcp", "slurm.time=00:30:00", "slurm.max_requeues=3")
+
+
+def finished_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def wait_steps(run_dir: Path, n: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while finished_steps(run_dir) < n:
+        assert time.monotonic() < deadline, f"run did not reach step {n}: {finished_steps(run_dir)}"
+        time.sleep(0.2)
+
+
+def final_weights(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "checkpoints" / f"step-{STEPS}" / "model-tp0-pp0.safetensors"))
+
+
+def restart_count(job_id: str) -> int:
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "Restarts"], capture_output=True,
+                         text=True).stdout.split()
+    return max((int(x) for x in out if x.isdigit()), default=0)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(mpirun, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    args = [a for kv in ARGS for a in ("--set", kv)]
+    proc = subprocess.run([sys.executable, "-m", "yatt_hpc.cli", "run", DEMO, "--run-dir", str(run_dir), *args],
+                          cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_weights(run_dir)
+
+
+def submit(run_dir: Path, *extra: str):
+    cfg = load_config(DEMO, (*ARGS, *SLURM_ARGS, *extra))
+    return submit_run(cfg, plan(cfg), run_dir)
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs from the uninterrupted run"
+
+
+def logs(run_dir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("job_*.log")))
+
+
+def test_scontrol_requeue_mid_run_resumes_and_completes(slurm_cluster, uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    sub = submit(run_dir)
+    wait_steps(run_dir, 8)
+    subprocess.run(["scontrol", "requeue", sub.job_id], check=True)
+    states = wait_job(sub.job_id, poll_s=1, timeout_s=400)
+    assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
+    assert restart_count(sub.job_id) >= 1
+    assert "resumed from checkpoint step" in logs(run_dir)
+    assert finished_steps(run_dir) == STEPS
+    assert_same_weights(final_weights(run_dir), uninterrupted)
+
+
+def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    sub = submit(run_dir, "slurm.partition=debug")
+    wait_steps(run_dir, 8)
+    # a job on the high-priority partition that needs every node preempts ours
+    high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--nodes=4", "--time=2",
+                           f"--output={tmp_path}/high-%j.out", "--wrap", "sleep 5"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    states = wait_job(sub.job_id, poll_s=1, timeout_s=500)
+    assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
+    assert restart_count(sub.job_id) >= 1
+    log = logs(run_dir)
+    assert "stop signal" in log or "resumed from checkpoint step" in log
+    assert_same_weights(final_weights(run_dir), uninterrupted)
+    subprocess.run(["scancel", high])
+
+
+def test_sigkilled_job_resumes_from_periodic_checkpoint_after_resubmission(slurm_cluster, uninterrupted, tmp_path):
+    run_dir = tmp_path / "run"
+    sub = submit(run_dir)
+    wait_steps(run_dir, 12)
+    subprocess.run(["pkill", "-9", "-f", "--", f"--run-dir {run_dir}"], check=False)
+    wait_job(sub.job_id, poll_s=1, timeout_s=200)
+    done = finished_steps(run_dir)
+    assert done < STEPS, "the kill came too late"
+    again = submit(run_dir)
+    states = wait_job(again.job_id, poll_s=1, timeout_s=400)
+    assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
+    assert "resumed from checkpoint step" in logs(run_dir)
+    assert finished_steps(run_dir) == STEPS
+    assert_same_weights(final_weights(run_dir), uninterrupted)
