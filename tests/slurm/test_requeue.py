@@ -7,6 +7,7 @@
 (c) SIGKILL of the job's ranks: the job fails; resubmitting the same run dir resumes from the last
     periodic checkpoint and completes.
 """
+import json
 import subprocess
 import sys
 import time
@@ -45,10 +46,10 @@ def final_weights(run_dir: Path) -> dict:
     return load_file(str(run_dir / "checkpoints" / f"step-{STEPS}" / "model-tp0-pp0.safetensors"))
 
 
-def restart_count(job_id: str) -> int:
-    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "Restarts"], capture_output=True,
-                         text=True).stdout.split()
-    return max((int(x) for x in out if x.isdigit()), default=0)
+def restart_count(run_dir: Path, job_id: str) -> int:
+    """Highest SLURM_RESTART_COUNT a launcher of this job ran under (its summary_<job>_<restart>.json)."""
+    starts = [json.loads(p.read_text())["restart_count"] for p in (run_dir / "logs").glob(f"summary_{job_id}_*.json")]
+    return max(starts, default=-1)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_scontrol_requeue_mid_run_resumes_and_completes(slurm_cluster, uninterru
     subprocess.run(["scontrol", "requeue", sub.job_id], check=True)
     states = wait_job(sub.job_id, poll_s=1, timeout_s=400)
     assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
-    assert restart_count(sub.job_id) >= 1
+    assert restart_count(run_dir, sub.job_id) >= 1
     assert "resumed from checkpoint step" in logs(run_dir)
     assert finished_steps(run_dir) == STEPS
     assert_same_weights(final_weights(run_dir), uninterrupted)
@@ -99,7 +100,7 @@ def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted
                           capture_output=True, text=True, check=True).stdout.strip()
     states = wait_job(sub.job_id, poll_s=1, timeout_s=500)
     assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
-    assert restart_count(sub.job_id) >= 1
+    assert restart_count(run_dir, sub.job_id) >= 1
     log = logs(run_dir)
     assert "stop signal" in log or "resumed from checkpoint step" in log
     assert_same_weights(final_weights(run_dir), uninterrupted)
