@@ -84,6 +84,21 @@ class TrainConfig(Section):
     """`a` in the FLOPs proxy a*L + L^2; null derives 6*hidden_size from the model."""
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO-style filtering of zero-variance prompt groups, refilled in waves (WeChat-YATT v4)."""
+
+    enabled: bool = False
+    """Drop prompt groups whose rewards are all equal and refill with new prompts in waves."""
+    oversampling: float = Field(1.2, ge=1.0)
+    """Each refill wave asks for ceil(gap x ema_expansion x oversampling) prompts."""
+    ema_decay: float = Field(0.9, ge=0.0, lt=1.0)
+    """Decay of the EMA of total/valid groups (averaged across data-parallel ranks)."""
+    ema_cap: float = Field(10.0, ge=1.0)
+    """Upper bound of the expansion EMA."""
+    max_refill_waves: int = Field(3, ge=0)
+    """Refill waves per step at most; after them the step is padded with zero-advantage groups."""
+
+
 class RolloutConfig(Section):
     """Sampling responses from the current policy."""
 
@@ -104,6 +119,8 @@ class RolloutConfig(Section):
     of this many, so scoring overlaps generation (`colocate` sends each replica's batch whole)."""
     stream_queue: int = Field(4, ge=1)
     """Chunks a rollout rank may have in flight to GenRM before it waits (backpressure)."""
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    """Dynamic sampling (off by default)."""
 
 
 class RewardConfig(Section):

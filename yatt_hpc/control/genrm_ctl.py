@@ -18,7 +18,16 @@ from yatt_hpc.control.controller import BaseController
 from yatt_hpc.control.phases import PhaseGate
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.routing import Routes
-from yatt_hpc.control.wire import TAG_SAMPLES, TAG_SCORED, SampleBatch, StreamSender, recv_batch
+from yatt_hpc.control.wire import (
+    TAG_COUNT,
+    TAG_SAMPLES,
+    TAG_SCORED,
+    SampleBatch,
+    StreamSender,
+    agree_more,
+    recv_batch,
+    wait_for_message,
+)
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.reward.genrm import GenRMJudge, combine_reward
 from yatt_hpc.reward.verifier import rule_score
@@ -41,12 +50,25 @@ class GenRMController(BaseController):
         log.info("genrm rank scores trainer replicas %s (mode %s)", self.replicas, rc.mode)
 
     def step(self, step: int) -> None:
+        while True:  # one wave without dynamic sampling; the trainers decide whether another follows
+            self.wave()
+            if not agree_more(self.world.comm, False):
+                break
+
+    def wave(self) -> None:
         """Score chunks as they arrive; hand each replica its samples once all of them are scored."""
-        per_replica = self.cfg.train.prompts_per_step // self.routes.dp * self.cfg.rollout.samples_per_prompt
-        waiting = {self.routes.trainer_owner(d): per_replica for d in self.replicas}
-        scored_by_owner: dict[int, list[SampleBatch]] = {owner: [] for owner in waiting}
-        sender = StreamSender(self.world.comm, max_inflight=len(waiting) + 1)
+        sender = StreamSender(self.world.comm, max_inflight=len(self.replicas) + 1)
         self.gate.cross("generated")
+        waiting = {}
+        for d in self.replicas:  # each served replica says how many samples this wave brings
+            owner, count = self.routes.trainer_owner(d), np.zeros(1, np.int64)
+            wait_for_message(self.world.comm, owner, TAG_COUNT)
+            self.world.comm.Recv(count, source=owner, tag=TAG_COUNT)
+            waiting[owner] = int(count[0])
+        scored_by_owner: dict[int, list[SampleBatch]] = {owner: [] for owner in waiting}
+        for owner in [o for o, n in waiting.items() if n == 0]:
+            sender.send(owner, TAG_SCORED, SampleBatch())
+            del waiting[owner]
         while waiting:
             batch, _ = recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES)
             self.stats.hold(len(batch))

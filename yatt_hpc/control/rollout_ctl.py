@@ -25,6 +25,7 @@ from yatt_hpc.control.wire import (
     TAG_WEIGHTS,
     SampleBatch,
     StreamSender,
+    agree_more,
     recv_batch,
     wait_for_message,
 )
@@ -49,6 +50,14 @@ class RolloutController(BaseController):
         log.info("rollout rank serves trainer replicas %s", self.replicas)
 
     def step(self, step: int) -> None:
+        while True:  # one wave without dynamic sampling; the trainers decide whether another follows
+            self.stats.add("generated", self.wave())
+            if not agree_more(self.world.comm, False):
+                break
+        self.receive_weights()
+
+    def wave(self) -> int:
+        """Receive one (possibly empty) prompt batch per served replica, generate, stream to GenRM."""
         incoming = []
         for _ in self.replicas:
             batch, _ = recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_PROMPTS)
@@ -59,15 +68,13 @@ class RolloutController(BaseController):
             with self.stats.phase("resume"):
                 self.engine.resume_memory()
         # colocate: the whole batch, then GenRM takes the devices; otherwise stream chunks so that
-        # scoring overlaps generation (bounded by stream_queue chunks in flight)
-        chunk = len(prompts) if self.colocate else self.cfg.rollout.stream_chunk
-        # colocate: every send must be in flight before the gate, where GenRM starts receiving
+        # scoring overlaps generation (bounded by stream_queue chunks in flight). In colocation every
+        # send must be in flight before the gate, where GenRM starts receiving.
+        chunk = max(len(prompts), 1) if self.colocate else self.cfg.rollout.stream_chunk
         sender = StreamSender(self.world.comm, len(self.replicas) if self.colocate else self.cfg.rollout.stream_queue)
-        generated = 0
         for start in range(0, len(prompts), chunk):
             with self.stats.phase("rollout"):
                 done = self.generate(prompts.select(np.arange(start, min(start + chunk, len(prompts)))))
-            generated += len(done)
             for owner in np.unique(done.owner):
                 part = done.select(np.flatnonzero(done.owner == owner))
                 sender.send(self.routes.genrm_for(self.routes.trainer_coords(int(owner))["dp"]), TAG_SAMPLES, part)
@@ -78,8 +85,7 @@ class RolloutController(BaseController):
         self.gate.cross("generated")
         sender.drain()
         self.gate.cross("scored")
-        self.stats.add("generated", generated)
-        self.receive_weights()
+        return len(prompts)
 
     def generate(self, prompts: SampleBatch) -> SampleBatch:
         rc = self.cfg.rollout

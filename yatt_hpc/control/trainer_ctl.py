@@ -6,7 +6,8 @@
 Data flow of one step (no driver; every arrow is point-to-point MPI between the ranks involved):
 
     trainer replica d (tp rank 0 owns the shard)
-      | prompts of positions [s*P + d*k, s*P + (d+1)*k), n copies each     TAG_PROMPTS
+      | its next k prompts: positions j*dp + d, n copies each            TAG_PROMPTS
+      | (and to its GenRM rank: how many samples to expect)              TAG_COUNT
       v
     rollout rank (d mod R) --- generates, logprobs --->  GenRM rank (d mod G)   TAG_SAMPLES
                                                             | judge verdict + rule score
@@ -16,8 +17,10 @@ Data flow of one step (no driver; every arrow is point-to-point MPI between the 
       -> Megatron forward/backward, DP all-reduce of grads -> AdamW
       -> gather TP shards -> HF names -> buckets ---------> its rollout ranks    TAG_WEIGHTS
 
-A replica holds at most its own k*n samples; the leader (world rank 0) is replica 0's owner and
-holds exactly that share, nothing more.
+With dynamic sampling the replica repeats the dispatch/collect round in refill waves until it has
+k groups with reward variance (all ranks agree on each extra wave with one polled allreduce).
+A replica holds at most its own samples; the leader (world rank 0) is replica 0's owner and holds
+exactly that share, nothing more.
 """
 from __future__ import annotations
 
@@ -34,12 +37,22 @@ from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.control.balance import flops_coeff
 from yatt_hpc.control.consumed import ConsumedLog
 from yatt_hpc.control.controller import BaseController
+from yatt_hpc.control.dynamic_sampling import DynamicSampler, has_signal
 from yatt_hpc.control.phases import PhaseGate
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.rebalance import Rebalancer
 from yatt_hpc.control.routing import Routes
 from yatt_hpc.control.weight_sync import send_weights
-from yatt_hpc.control.wire import TAG_PROMPTS, TAG_SCORED, SampleBatch, bcast_batch, recv_batch, send_batch
+from yatt_hpc.control.wire import (
+    TAG_COUNT,
+    TAG_PROMPTS,
+    TAG_SCORED,
+    SampleBatch,
+    agree_more,
+    bcast_batch,
+    recv_batch,
+    send_batch,
+)
 from yatt_hpc.data.prompts import build_prompt_source
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.train.grpo import group_advantages
@@ -58,11 +71,16 @@ class TrainerController(BaseController):
         self.dp_rank, self.tp_rank = coords["dp"], coords["tp"]
         self.is_owner = coords["tp"] == 0 and coords["cp"] == 0 and coords["pp"] == 0
         self.replica_comm = world.group_comm.Split(self.dp_rank, world.group_rank)
-        self.balancer = self._build_balancer()
-        self.gate = PhaseGate(world.comm, enabled=world.plan.mode == "colocate")
-        self.consumed = ConsumedLog(run_dir / "data" / f"consumed-dp{self.dp_rank}.jsonl", enabled=self.is_owner)
         self.n = cfg.rollout.samples_per_prompt
         self.per_replica = cfg.train.prompts_per_step // self.routes.dp
+        self.owners_comm = world.group_comm.Split(0 if self.is_owner else MPI.UNDEFINED, world.group_rank)
+        self.balancer = self._build_balancer()
+        ds = cfg.rollout.dynamic_sampling
+        self.dynamic = ds.enabled
+        self.sampler = DynamicSampler(self.per_replica, ds.oversampling, ds.ema_decay, ds.ema_cap, ds.max_refill_waves)
+        self.next_index = 0  # prompts this replica has dispatched so far (its data position)
+        self.gate = PhaseGate(world.comm, enabled=world.plan.mode == "colocate")
+        self.consumed = ConsumedLog(run_dir / "data" / f"consumed-dp{self.dp_rank}.jsonl", enabled=self.is_owner)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.source = build_prompt_source(cfg.data, self.tokenizer)
         addr, port = self._rendezvous()
@@ -92,15 +110,9 @@ class TrainerController(BaseController):
     # ------------------------------------------------------------------ the step, as one screen
 
     def step(self, step: int) -> None:
+        batch = self.sample(step) if self.is_owner else self.follow_waves()   # generate + score
         if self.is_owner:
-            self.dispatch_prompts(step)                     # generate (on rollout ranks)
-        self.gate.cross("generated")
-        self.gate.cross("scored")
-        if self.is_owner:
-            batch = self.collect_scored()                   # score (on GenRM ranks)
             batch = self.balance(batch)                     # even out work across DP replicas
-        else:
-            batch = None
         batch = bcast_batch(self.replica_comm, batch, root=0)
         if not self.is_owner:
             self.stats.hold(len(batch))
@@ -116,13 +128,64 @@ class TrainerController(BaseController):
 
     # ------------------------------------------------------------------ pieces
 
-    def shard_positions(self, step: int) -> np.ndarray:
-        """Global prompt positions this replica consumes at `step` (pure in (step, dp rank))."""
-        first = step * self.cfg.train.prompts_per_step + self.dp_rank * self.per_replica
-        return np.arange(first, first + self.per_replica, dtype=np.int64)
+    def sample(self, step: int) -> SampleBatch:
+        """Waves of prompts until this replica has its groups (one wave without dynamic sampling)."""
+        ask, scored = self.sampler.first_wave(), []
+        while True:
+            self.dispatch_prompts(step, ask)
+            self.gate.cross("generated")
+            self.gate.cross("scored")
+            wave = self.collect_scored()
+            scored.append(wave)
+            groups = np.unique(wave.prompt_id)
+            valid = [g for g in groups if has_signal(wave.reward[wave.prompt_id == g])]
+            self.sampler.observe(len(groups), len(valid))
+            ask = self.sampler.next_wave() if self.dynamic else 0
+            if not agree_more(self.world.comm, ask > 0):
+                break
+        return self.keep_groups(SampleBatch.concat(scored).sorted_by_id())
 
-    def dispatch_prompts(self, step: int) -> None:
-        positions = self.shard_positions(step)
+    def follow_waves(self) -> None:
+        """Tensor-parallel peers of an owner take part in the wave agreement, nothing else."""
+        while True:
+            self.gate.cross("generated")
+            self.gate.cross("scored")
+            if not agree_more(self.world.comm, False):
+                return None
+
+    def keep_groups(self, batch: SampleBatch) -> SampleBatch:
+        """Without dynamic sampling: everything. With it: the first `target` groups with reward
+        variance, padded (zero advantage) with zero-variance groups when the waves ran out."""
+        self.end_sampling_step()
+        if not self.dynamic:
+            return batch
+        groups = np.unique(batch.prompt_id)
+        valid = [g for g in groups if has_signal(batch.reward[batch.prompt_id == g])]
+        invalid = [g for g in groups if g not in set(valid)]
+        keep = valid[: self.per_replica]
+        padded = invalid[: self.per_replica - len(keep)]
+        self.stats.values["padded_groups"] = float(len(padded))
+        out = batch.select(np.flatnonzero(np.isin(batch.prompt_id, keep + padded)))
+        self.stats.hold(len(out) - len(batch))
+        return out
+
+    def end_sampling_step(self) -> None:
+        ds = self.sampler
+        self.stats.add("groups_total", ds.total_groups)
+        self.stats.add("groups_valid", ds.valid_groups)
+        self.stats.values["waves"] = float(ds.waves + 1)
+        mean = self.owners_comm.allreduce(ds.step_expansion()) / self.owners_comm.Get_size()
+        ds.end_step(mean)
+        self.stats.values["ema_expansion"] = ds.ema_expansion
+
+    def next_positions(self, count: int) -> np.ndarray:
+        """The next `count` global prompt positions of this replica's stream: j*dp + d for j = 0, 1, ..."""
+        index = np.arange(self.next_index, self.next_index + count, dtype=np.int64)
+        self.next_index += count
+        return index * self.routes.dp + self.dp_rank
+
+    def dispatch_prompts(self, step: int, count: int) -> None:
+        positions = self.next_positions(count)
         rows = [self.source.row_at(int(p)) for p in positions]
         prompts = [np.asarray(self.tokenizer.encode(r["prompt"]), np.int32) for r in rows]
         answers = [np.frombuffer(r["answer"].encode(), np.uint8) for r in rows]
@@ -132,15 +195,18 @@ class TrainerController(BaseController):
             prompt_id=np.repeat(positions, self.n),
             owner=np.full(len(rep), self.world.rank, np.int32),
             prompt_len=np.array([len(prompts[i]) for i in rep], np.int32),
-            prompt_tokens=np.concatenate([prompts[i] for i in rep]),
+            prompt_tokens=np.concatenate([prompts[i] for i in rep]) if rows else np.zeros(0, np.int32),
             answer_len=np.array([len(answers[i]) for i in rep], np.int32),
-            answer=np.concatenate([answers[i] for i in rep]),
+            answer=np.concatenate([answers[i] for i in rep]) if rows else np.zeros(0, np.uint8),
         )
         self.stats.hold(len(batch))
+        # GenRM learns how many samples of ours to expect this wave; the rollout rank gets the prompts
+        self.world.comm.Send(np.array([len(batch)], np.int64), dest=self.routes.genrm_for(self.dp_rank), tag=TAG_COUNT)
         send_batch(self.world.comm, self.routes.rollout_for(self.dp_rank), TAG_PROMPTS, batch)
         self.stats.hold(-len(batch))  # sent: the samples now live on the rollout rank
         self.stats.add("prompts_consumed", len(rows))
-        self.consumed.record(step, positions, [r["id"] for r in rows])
+        if rows:
+            self.consumed.record(step, positions, [r["id"] for r in rows])
 
     def collect_scored(self) -> SampleBatch:
         batch, _ = recv_batch(self.world.comm, self.routes.genrm_for(self.dp_rank), TAG_SCORED)
@@ -149,14 +215,13 @@ class TrainerController(BaseController):
         return batch.sorted_by_id()
 
     def _build_balancer(self):
-        owners = self.world.group_comm.Split(0 if self.is_owner else MPI.UNDEFINED, self.world.group_rank)
         if not self.is_owner or self.cfg.train.balance == "none" or self.routes.dp == 1:
             return None
         from transformers import AutoConfig
 
         hidden = AutoConfig.from_pretrained(self.cfg.model.path).get_text_config().hidden_size
         a = None if self.cfg.train.balance == "tokens" else (self.cfg.train.balance_flops_coeff or flops_coeff(hidden, 1))
-        return Rebalancer(owners, self.world.comm, [self.routes.trainer_owner(d) for d in range(self.routes.dp)], a)
+        return Rebalancer(self.owners_comm, self.world.comm, [self.routes.trainer_owner(d) for d in range(self.routes.dp)], a)
 
     def balance(self, batch: SampleBatch) -> SampleBatch:
         if self.balancer is None:
@@ -194,9 +259,11 @@ class TrainerController(BaseController):
         if self.dp_rank == 0:
             params = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
         optim, meta = optimizer_tensors(self.policy.optimizer, model.named_parameters())
-        position = {"next_position": int(self.shard_positions(step)[0]), "step": step, "world_rank": self.world.rank}
+        position = {"next_index": self.next_index, "stride": self.routes.dp, "offset": self.dp_rank,
+                    "step": step, "world_rank": self.world.rank}
         return RankState(self.identity, {"dp": self.dp_rank, "tp": self.tp_rank, "pp": 0}, model=params,
-                         optim=optim, optim_meta=meta, rng=capture_rng(), data_position=position)
+                         optim=optim, optim_meta=meta, rng=capture_rng(), data_position=position,
+                         extra={"sampling": self.sampler.state()})
 
     def restore(self, restored) -> None:
         from yatt_hpc.train.megatron_model import load_megatron_shard
@@ -205,9 +272,8 @@ class TrainerController(BaseController):
         load_optimizer_tensors(self.policy.optimizer, self.policy.model.named_parameters(),
                                restored.optim, restored.optim_meta)
         restore_rng(restored.rng)
-        want = int(self.shard_positions(restored.step)[0])
-        got = int(restored.data_position["next_position"])
-        assert got == want, f"data position {got} saved for {self.identity} != {want} recomputed"
+        self.next_index = int(restored.data_position["next_index"])
+        self.sampler.load_state(restored.extra["sampling"])
 
     def rewind_logs(self, step: int) -> None:
         self.consumed.truncate(step)

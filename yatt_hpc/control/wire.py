@@ -25,6 +25,7 @@ TAG_PROMPTS = 11  # trainer -> rollout: prompts to sample
 TAG_SAMPLES = 12  # rollout -> genrm: generated samples to score
 TAG_SCORED = 13  # genrm -> trainer: scored samples
 TAG_WEIGHTS = 14  # trainer -> rollout: weight buckets
+TAG_COUNT = 16  # trainer -> genrm: samples to expect from this replica in the current wave
 
 RAGGED = ("prompt_tokens", "response_tokens", "logprobs", "answer")
 
@@ -171,6 +172,16 @@ def bcast_batch(comm, batch: SampleBatch | None, root: int = 0) -> SampleBatch:
         if size:
             comm.Bcast(cols[c], root=root)
     return batch if is_root else SampleBatch(**cols)
+
+
+def agree_more(comm, mine: bool, poll_s: float = 0.002) -> bool:
+    """Whether any rank wants another sampling wave (collective over `comm`, polled, not spinning)."""
+    flag = np.array([1 if mine else 0], dtype=np.int64)
+    out = np.zeros(1, dtype=np.int64)
+    request = comm.Iallreduce(flag, out, op=MPI.MAX)
+    while not request.Test():
+        time.sleep(poll_s)
+    return bool(out[0])
 
 
 def wait_for_message(comm, source: int, tag: int, status=None, poll_s: float = 0.002) -> None:
