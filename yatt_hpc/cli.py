@@ -4,8 +4,8 @@
     yatt-hpc config show configs/demo_cpu.yaml
     yatt-hpc run configs/demo_cpu.yaml --run-dir runs/demo
 
-User errors (bad config, impossible layout, bad data) print one message and exit 2; a verb that
-is not built yet says so and exits 3. Tracebacks are for bugs only.
+User errors (bad config, impossible layout, bad data, no Slurm) print one message and exit 2.
+Tracebacks are for bugs only.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from yatt_hpc.ckpt.cli import ckpt as _ckpt_group
 from yatt_hpc.config import RunConfig, load_config, to_yaml
 from yatt_hpc.placement import Plan, plan
 
 EXIT_USER_ERROR = 2
-EXIT_NOT_IMPLEMENTED = 3
 
 
 class UserError(click.ClickException):
@@ -99,15 +99,6 @@ def plan_cmd(config_path: str, overrides: tuple[str, ...], run_dir: str, as_sbat
     if not console.is_terminal:
         console = Console(width=140)  # pipes and logs: keep table rows on one line
     print_plan(p, run_dir, console, python=sys.executable)
-
-
-def _not_implemented(verb: str, issue: str):
-    def command(**_: object) -> None:
-        click.echo(f"yatt-hpc {verb}: not implemented yet ({issue}); nothing was done.", err=True)
-        sys.exit(EXIT_NOT_IMPLEMENTED)
-
-    command.__name__ = verb
-    return command
 
 
 @main.command("run")
@@ -231,15 +222,6 @@ def cancel_cmd(job: str) -> None:
     cancel(job)
     click.echo(f"cancelled job {job}; `yatt-hpc status {job}` shows it leave the queue")
 
-
-_PENDING = {
-}
-for _verb, (_help, _issue) in _PENDING.items():
-    main.command(_verb, help=f"{_help} [not implemented yet]",
-                 context_settings={"ignore_unknown_options": True, "allow_extra_args": True})(
-        click.argument("args", nargs=-1, type=click.UNPROCESSED)(_not_implemented(_verb, _issue)))
-
-from yatt_hpc.ckpt.cli import ckpt as _ckpt_group
 
 main.add_command(_ckpt_group)  # yatt-hpc ckpt list / verify / export-hf
 

@@ -130,7 +130,30 @@ class BaseEngine(abc.ABC):
 
     ``update_weights`` is allowed while released. Between the first bucket of a version and its
     ``final`` bucket the weights are a mix of two versions, so ``generate`` refuses to run then.
+    Subclasses keep ``_released`` (truthy while released) and ``_mid_update``, and say by
+    ``_alive`` whether they still hold an engine; the shared checks below use them.
     """
+
+    _released: object = False
+    _mid_update: bool = False
+
+    @property
+    def _alive(self) -> bool:
+        return True
+
+    def _check_alive(self) -> None:
+        if not self._alive:
+            raise RuntimeError(f"{type(self).__name__} was shut down; build a new engine")
+
+    def _check_ready(self) -> None:
+        """Refuse to generate when shut down, released, or halfway through a weight update."""
+        name = type(self).__name__
+        self._check_alive()
+        if self._released:
+            raise RuntimeError(f"{name}.generate after release_memory(); call resume_memory() first")
+        if self._mid_update:
+            raise RuntimeError(f"{name}.generate during a weight update: buckets arrived without a final=True "
+                               "bucket, so the weights mix two versions")
 
     @abc.abstractmethod
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:

@@ -309,19 +309,9 @@ class HFEngine(BaseEngine):
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _check_alive(self) -> None:
-        if self._model is None:
-            raise RuntimeError("HFEngine was shut down; build a new engine")
-
-    def _check_ready(self) -> None:
-        self._check_alive()
-        if self._released:
-            raise RuntimeError("HFEngine.generate after release_memory(); call resume_memory() first")
-        if self._mid_update:
-            raise RuntimeError(
-                "HFEngine.generate during a weight update: buckets arrived without a final=True bucket, "
-                "so the weights mix two versions"
-            )
+    @property
+    def _alive(self) -> bool:
+        return self._model is not None
 
     def _check_request(self, request: GenerationRequest) -> None:
         if int(request.prompt_ids.max()) >= self._vocab_size:

@@ -246,16 +246,6 @@ class SGLangEngine(BaseEngine):
         self._engine = None
         engine.shutdown()
 
-    def _check_alive(self) -> None:
-        if self._engine is None:
-            raise RuntimeError("SGLangEngine was shut down; build a new engine")
-
-    def _check_ready(self) -> None:
-        self._check_alive()
-        if self._released:
-            raise RuntimeError("SGLangEngine.generate after release_memory(); call resume_memory() first")
-        if self._mid_update:
-            raise RuntimeError(
-                "SGLangEngine.generate during a weight update: buckets arrived without a final=True bucket, "
-                "so the weights mix two versions"
-            )
+    @property
+    def _alive(self) -> bool:
+        return self._engine is not None
