@@ -102,21 +102,27 @@ _DTYPES = {name: SampleBatch().__getattribute__(name).dtype for name in _COLUMNS
 
 
 def send_batch(comm, dest: int, tag: int, batch: SampleBatch) -> None:
-    header = np.array([len(batch)] + [getattr(batch, c).size for c in _COLUMNS], dtype=np.int64)
-    comm.Send(header, dest=dest, tag=tag)
-    for c in _COLUMNS:
-        col = np.ascontiguousarray(getattr(batch, c), dtype=_DTYPES[c])
-        if col.size:
-            comm.Send(col, dest=dest, tag=tag)
+    requests, _buffers = isend_batch(comm, dest, tag, batch)
+    wait_all(requests)
 
 
 def isend_batch(comm, dest: int, tag: int, batch: SampleBatch) -> tuple[list, list]:
-    """Non-blocking send; returns (requests, buffers): keep the buffers alive until the requests complete."""
+    """Non-blocking send of the header and every column at once (their latencies overlap);
+    returns (requests, buffers): keep the buffers alive until the requests complete."""
     header = np.array([len(batch)] + [getattr(batch, c).size for c in _COLUMNS], dtype=np.int64)
     buffers = [header] + [np.ascontiguousarray(getattr(batch, c), dtype=_DTYPES[c]) for c in _COLUMNS]
     requests = [comm.Isend(header, dest=dest, tag=tag)]
     requests += [comm.Isend(col, dest=dest, tag=tag) for col in buffers[1:] if col.size]
     return requests, buffers
+
+
+def wait_all(requests: list, poll_s: float = 0.002) -> None:
+    """Wait for MPI requests, backing off from a busy test to short sleeps (never a long stall)."""
+    delay = 0.0
+    while not MPI.Request.Testall(requests):
+        if delay:
+            time.sleep(delay)
+        delay = min(poll_s, delay + 0.00005)
 
 
 class StreamSender:
@@ -136,9 +142,7 @@ class StreamSender:
             self._wait_oldest()
 
     def _wait_oldest(self) -> None:
-        requests, _buffers = self._pending[0]
-        while not MPI.Request.Testall(requests):
-            time.sleep(self.poll_s)
+        wait_all(self._pending[0][0], self.poll_s)
         self._pending.pop(0)
 
 
@@ -149,10 +153,9 @@ def recv_batch(comm, source: int, tag: int, poll_s: float = 0.002) -> tuple[Samp
     sender = status.Get_source()
     header = np.empty(1 + len(_COLUMNS), dtype=np.int64)
     comm.Recv(header, source=sender, tag=tag)
-    cols = {}
-    for c, size in zip(_COLUMNS, header[1:]):
-        cols[c] = np.empty(int(size), dtype=_DTYPES[c])
-        if size:
+    cols = {c: np.empty(int(size), dtype=_DTYPES[c]) for c, size in zip(_COLUMNS, header[1:])}
+    for c in _COLUMNS:  # the header announced them: they are already on their way, receive in place
+        if cols[c].size:
             comm.Recv(cols[c], source=sender, tag=tag)
     return SampleBatch(**cols), sender
 
@@ -189,5 +192,6 @@ def wait_for_message(comm, source: int, tag: int, status=None, poll_s: float = 0
     status = status if status is not None else MPI.Status()
     delay = 0.0
     while not comm.Iprobe(source=source, tag=tag, status=status):
-        time.sleep(delay)
-        delay = min(poll_s, delay + 0.0002)
+        if delay:
+            time.sleep(delay)
+        delay = min(poll_s, delay + 0.00005)
