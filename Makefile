@@ -40,8 +40,7 @@ cluster-stop:
 	bash tools/slurm-dev-cluster.sh stop
 
 bench: install system-deps
-	@ls bench/*.py >/dev/null 2>&1 || { echo "no benchmarks yet (bench/ arrives with the benchmark issue)"; exit 3; }
-	for b in bench/*.py; do $(PY) $$b || exit 1; done
+	$(PY) bench/run_all.py
 
 lint: install
 	$(VENV)/bin/ruff check yatt_hpc tests tools

@@ -1,0 +1,170 @@
+"""B4: rollout+reward phase time with long-tail response lengths, full colocation vs partial placement.
+
+    .venv/bin/python bench/placement_overlap.py                    # 3 runs per mode, 4 steps each (first dropped)
+    .venv/bin/python bench/placement_overlap.py --repeats 1 --steps 3 --chunks 32
+
+Real `yatt-hpc run` on configs/demo_cpu.yaml (2 trainer ranks, 1 rollout engine, 1 GenRM on this
+2-core machine), with two tiny random GPT-2 models built here (policy and judge, 64 wide, 2 layers,
+512 positions, character tokenizer) instead of the demo models, whose answers are always 6 tokens.
+The policy's end-of-sequence embedding is pushed along the mean final hidden state so that
+P(eos) ~ --eos-rate per token: near-geometric lengths (an exponential tail, capped at
+--max-new-tokens); the table prints the measured p50/p90/max. A step's rollout+reward time is
+read from the per-rank timelines: first rollout-group phase start (engine resume or generation)
+to the last GenRM `reward` phase end. Modes take turns. colocate generates the whole batch, then
+GenRM scores it; partial streams chunks of `rollout.stream_chunk` samples so scoring overlaps
+generation on the other core. Prints a rich table, writes bench/results/placement_overlap.json.
+Target: partial >= 30% shorter than colocate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
+
+NOTES = ("Tiny random policy/judge with a tuned eos rate (lengths above); 4 ranks on 2 cores. What partial can "
+         "hide is at most colocate's reward phase (about a quarter of rollout+reward here). And it pays for "
+         "chunking: the HF engine keeps finished rows in a micro-batch until its longest row ends, so "
+         "rollout.stream_chunk chunks of a long-tail batch cost more decode steps in total than two 64-row "
+         "micro-batches; a continuous-batching engine (SGLang) does not have that cost.")
+
+
+def build_models(root: Path, eos_rate: float) -> dict[str, str]:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from yatt_hpc.data.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    out = {}
+    for seed, name in enumerate(("policy", "judge")):
+        torch.manual_seed(seed)
+        config = GPT2Config(vocab_size=tok.vocab_size, n_embd=64, n_layer=2, n_head=2, n_positions=512,
+                            activation_function="gelu_new", tie_word_embeddings=True, eos_token_id=tok.eos_id,
+                            bos_token_id=tok.bos_id, pad_token_id=tok.pad_id)
+        model = GPT2LMHeadModel(config)
+        if name == "policy":
+            with torch.no_grad():  # eos logit ~ log(rate * (V-1) / (1-rate)) on average: a chosen mean length
+                hidden = model.transformer(torch.randint(4, tok.vocab_size, (64, 64))).last_hidden_state.reshape(-1, 64)
+                direction = hidden.mean(0) / hidden.mean(0).norm()
+                logit = np.log(eos_rate * (tok.vocab_size - 1) / (1 - eos_rate))
+                model.transformer.wte.weight[tok.eos_id] = direction * logit / float((hidden @ direction).mean())
+        model.save_pretrained(root / name, safe_serialization=True)
+        tok.save(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+def step_spans(run_dir: Path) -> tuple[dict[int, float], dict[int, float]]:
+    """Per step: first rollout-group phase start -> last GenRM `reward` phase end (seconds); and the
+    longest trainer `balance` phase (it includes waiting in the lengths allgather for the other owners)."""
+    first, last, balance = defaultdict(lambda: float("inf")), defaultdict(float), defaultdict(float)
+    for path in (run_dir / "timeline").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            e = json.loads(line)
+            if path.stem.endswith("rollout") and e["phase"] in ("resume", "rollout"):
+                first[e["step"]] = min(first[e["step"]], e["start"])
+            if path.stem.endswith("genrm") and e["phase"] == "reward":
+                last[e["step"]] = max(last[e["step"]], e["end"])
+            if path.stem.endswith("trainer") and e["phase"] == "balance":
+                balance[e["step"]] = max(balance[e["step"]], e["end"] - e["start"])
+    return {s: last[s] - first[s] for s in first if s in last}, dict(balance)
+
+
+def run_once(mode: str, chunk: int, models: dict, args, root: Path, i: int) -> dict:
+    run_dir = root / f"{mode}-{chunk}-{i}"
+    sets = {"model.path": models["policy"], "reward.genrm_path": models["judge"], "train.steps": args.steps,
+            "rollout.max_new_tokens": args.max_new_tokens, "placement.mode": mode, "rollout.stream_chunk": chunk,
+            "checkpoint.interval": 0, "logging.tensorboard": False, "logging.progress": False, "train.kl_coef": 0.0}
+    argv = [str(Path(PYTHON).parent / "yatt-hpc"), "run", "configs/demo_cpu.yaml", "--run-dir", str(run_dir)]
+    for k, v in sets.items():
+        argv += ["--set", f"{k}={v}"]
+    start = time.perf_counter()
+    subprocess.run(argv, env=mpi_env(), cwd=REPO, check=True, timeout=900, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    spans, balance = step_spans(run_dir)
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    measured = [s for s in sorted(spans) if s >= 1]  # step 0 pays for first-call warm-ups
+    out = {"mode": mode, "chunk": chunk, "wall_s": wall, "span_s": [spans[s] for s in measured],
+           "trainer_balance_s": [balance.get(s, 0.0) for s in measured],
+           "step_s": [m["time/step"] for m in metrics[1:]],
+           "response_len_mean": [m["rollout/response_len_mean"] for m in metrics]}
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return out
+
+
+def length_profile(policy: str, max_new_tokens: int) -> dict:
+    """Response lengths of 128 samples of the untrained policy on demo prompts (what step 1 sees)."""
+    from yatt_hpc.data.tokenizer import CharTokenizer
+    from yatt_hpc.rollout import GenerationRequest, build_engine
+
+    prompt = CharTokenizer().encode("reverse abcdab=")
+    engine = build_engine("hf", policy, device="cpu", tp_size=1, seed=0)
+    requests = [GenerationRequest(sample_id=i, prompt_ids=prompt, max_new_tokens=max_new_tokens, seed=i)
+                for i in range(128)]
+    lengths = np.array([len(r.response_ids) for r in engine.generate(requests)])
+    return {q: float(np.percentile(lengths, p)) for q, p in (("p50", 50), ("p90", 90), ("p99", 99), ("max", 100))} | \
+        {"mean": float(lengths.mean()), "capped": int((lengths >= max_new_tokens).sum())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4, help="steps per run; the first is dropped as warm-up")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[16], help="rollout.stream_chunk values for partial")
+    ap.add_argument("--eos-rate", type=float, default=0.02, help="per-token P(eos) of the policy")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    args = ap.parse_args()
+    variants = [("colocate", 8)] + [("partial", c) for c in args.chunks]
+    with tempfile.TemporaryDirectory(prefix="placement_") as tmp:
+        models = build_models(Path(tmp) / "models", args.eos_rate)
+        lengths = length_profile(models["policy"], args.max_new_tokens)
+        runs = {v: [] for v in variants}
+        for i in range(args.repeats):  # modes take turns so load changes hit them alike
+            for mode, chunk in variants:
+                runs[(mode, chunk)].append(run_once(mode, chunk, models, args, Path(tmp), i))
+    label = {v: v[0] if v[0] == "colocate" else f"partial (stream_chunk {v[1]})" for v in variants}
+    # per run: median over its measured steps; spread over runs
+    span = {v: spread([np.median(r["span_s"]) for r in runs[v]]) for v in variants}
+    step = {v: spread([np.median(r["step_s"]) for r in runs[v]]) for v in variants}
+    balance = {v: spread([np.median(r["trainer_balance_s"]) for r in runs[v]]) for v in variants}
+    base = variants[0]
+    ratio = {v: spread([np.median(a["span_s"]) / np.median(b["span_s"]) for a, b in zip(runs[v], runs[base])])
+             for v in variants[1:]}
+    table, rows = [], []
+    for v in variants:
+        r = ratio.get(v)
+        shorter = f"{100 * (1 - r['median']):+.0f}% [{100 * (1 - r['max']):+.0f}..{100 * (1 - r['min']):+.0f}]" if r else "-"
+        table.append([label[v], f"{span[v]['median']:.2f} [{span[v]['min']:.2f}-{span[v]['max']:.2f}]", shorter,
+                      f"{step[v]['median']:.2f} [{step[v]['min']:.2f}-{step[v]['max']:.2f}]",
+                      f"{balance[v]['median']:.2f}"])
+        rows.append(row(f"{label[v]}: rollout+reward per step", span[v], " s", 2))
+        rows.append(row(f"{label[v]}: whole step", step[v], " s", 2))
+        rows.append(row(f"{label[v]}: longest trainer balance phase (incl. allgather wait)", balance[v], " s", 2))
+    rows += [row(f"{label[v]} / colocate (rollout+reward)", ratio[v]) for v in variants[1:]]
+    print_table(f"B4 rollout+reward time per step (s), 128 samples/step, response lengths at step 1: p50 "
+                f"{lengths['p50']:.0f} p90 {lengths['p90']:.0f} p99 {lengths['p99']:.0f} max {lengths['max']:.0f} "
+                f"(cap {args.max_new_tokens}), {args.repeats} runs x {args.steps - 1} steps",
+                ["placement", "rollout+reward median [min-max]", "shorter than colocate", "whole step",
+                 "trainer balance"], table)
+    best = min(ratio, key=lambda v: ratio[v]["median"])
+    gain = 1 - ratio[best]["median"]
+    met = gain >= 0.30
+    verdict = (f"best partial ({label[best]}) is {100 * gain:.0f}% shorter than colocate in rollout+reward "
+               f"(target >= 30%: {'met' if met else f'NOT met, by {100 * (0.30 - gain):.0f} points'})")
+    write_report("placement_overlap", question="B4 rollout+reward phase time, long-tail response lengths",
+                 target="partial >= 30% shorter than full colocation", met=met, verdict=verdict, rows=rows,
+                 raw={"args": vars(args), "lengths_step1": lengths,
+                      "runs": {label[v]: r for v, r in runs.items()}},
+                 notes=NOTES)
+
+
+if __name__ == "__main__":
+    main()
