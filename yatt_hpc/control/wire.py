@@ -4,10 +4,10 @@
     batch = recv_batch(comm, source, TAG_SAMPLES)        # source may be MPI.ANY_SOURCE
 
 A `SampleBatch` is columnar: fixed-schema numpy arrays, ragged token columns stored flat with a
-per-sample length column. On the wire: one int64 header (sample count + element count of every
-column), then one `Send` per column straight from the array's memory. MPI keeps the order of
-messages between two ranks on one communicator and tag, so a header and its columns stay together
-even when several senders interleave.
+per-sample length column. On the wire a batch is ONE message of raw bytes: an int64 header (sample
+count + element count of every column) followed by the columns (`pack`); the receiver probes for
+its size, receives it into one buffer and takes zero-copy column views (`unpack`). One message
+per batch costs one copy on the sender, and saves a handshake per column (bench/wire_throughput.py).
 
 Receiving polls with `Iprobe` and a short sleep instead of blocking: with more controller ranks
 than cores, a blocked Open MPI receive spins and steals the CPU the working rank needs.
@@ -99,21 +99,38 @@ class SampleBatch:
 
 _COLUMNS = [f.name for f in fields(SampleBatch)]
 _DTYPES = {name: SampleBatch().__getattribute__(name).dtype for name in _COLUMNS}
+_WIRE_ORDER = sorted(_COLUMNS, key=lambda c: -_DTYPES[c].itemsize)  # stable: schema order within a width
+
+
+def pack(batch: SampleBatch) -> np.ndarray:
+    """The whole batch as one byte buffer: an int64 header (sample count, element count per column),
+    then every column. Columns go widest dtype first, so each one starts aligned for its dtype."""
+    header = np.array([len(batch)] + [getattr(batch, c).size for c in _WIRE_ORDER], dtype=np.int64)
+    parts = [header.view(np.uint8)]
+    parts += [np.ascontiguousarray(getattr(batch, c), dtype=_DTYPES[c]).view(np.uint8) for c in _WIRE_ORDER]
+    return np.concatenate(parts)
+
+
+def unpack(buffer: np.ndarray) -> SampleBatch:
+    """Inverse of `pack`; the columns are views into `buffer` (no copy)."""
+    header = np.frombuffer(buffer, dtype=np.int64, count=1 + len(_WIRE_ORDER))
+    offset, cols = header.nbytes, {}
+    for c, size in zip(_WIRE_ORDER, header[1:]):
+        cols[c] = np.frombuffer(buffer, dtype=_DTYPES[c], count=int(size), offset=offset)
+        offset += int(size) * _DTYPES[c].itemsize
+    return SampleBatch(**cols)
 
 
 def send_batch(comm, dest: int, tag: int, batch: SampleBatch) -> None:
-    requests, _buffers = isend_batch(comm, dest, tag, batch)
-    wait_all(requests)
+    # blocking: MPI progresses the transfer itself instead of waiting for our next poll
+    comm.Send(pack(batch), dest=dest, tag=tag)
 
 
 def isend_batch(comm, dest: int, tag: int, batch: SampleBatch) -> tuple[list, list]:
-    """Non-blocking send of the header and every column at once (their latencies overlap);
-    returns (requests, buffers): keep the buffers alive until the requests complete."""
-    header = np.array([len(batch)] + [getattr(batch, c).size for c in _COLUMNS], dtype=np.int64)
-    buffers = [header] + [np.ascontiguousarray(getattr(batch, c), dtype=_DTYPES[c]) for c in _COLUMNS]
-    requests = [comm.Isend(header, dest=dest, tag=tag)]
-    requests += [comm.Isend(col, dest=dest, tag=tag) for col in buffers[1:] if col.size]
-    return requests, buffers
+    """Non-blocking send of the packed batch (one message); returns (requests, buffers): keep the
+    buffers alive until the requests complete."""
+    buffer = pack(batch)
+    return [comm.Isend(buffer, dest=dest, tag=tag)], [buffer]
 
 
 def wait_all(requests: list, poll_s: float = 0.002) -> None:
@@ -151,13 +168,9 @@ def recv_batch(comm, source: int, tag: int, poll_s: float = 0.002) -> tuple[Samp
     status = MPI.Status()
     wait_for_message(comm, source, tag, status, poll_s)
     sender = status.Get_source()
-    header = np.empty(1 + len(_COLUMNS), dtype=np.int64)
-    comm.Recv(header, source=sender, tag=tag)
-    cols = {c: np.empty(int(size), dtype=_DTYPES[c]) for c, size in zip(_COLUMNS, header[1:])}
-    for c in _COLUMNS:  # the header announced them: they are already on their way, receive in place
-        if cols[c].size:
-            comm.Recv(cols[c], source=sender, tag=tag)
-    return SampleBatch(**cols), sender
+    buffer = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+    comm.Recv(buffer, source=sender, tag=tag)
+    return unpack(buffer), sender
 
 
 def bcast_batch(comm, batch: SampleBatch | None, root: int = 0) -> SampleBatch:
