@@ -38,6 +38,7 @@ from yatt_hpc.control.balance import flops_coeff
 from yatt_hpc.control.consumed import ConsumedLog
 from yatt_hpc.control.controller import BaseController
 from yatt_hpc.control.dynamic_sampling import DynamicSampler, has_signal
+from yatt_hpc.control.inputs import InputError
 from yatt_hpc.control.phases import PhaseGate
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.rebalance import Rebalancer
@@ -272,6 +273,10 @@ class TrainerController(BaseController):
         load_optimizer_tensors(self.policy.optimizer, self.policy.model.named_parameters(),
                                restored.optim, restored.optim_meta)
         restore_rng(restored.rng)
+        if "next_index" not in restored.data_position or "sampling" not in restored.extra:
+            raise InputError(f"checkpoint step-{restored.step} of {self.identity} has no data position in this "
+                             "version's format (written by an older yatt-hpc); start a fresh --run-dir, or use "
+                             "checkpoint.load_from to take only its weights")
         self.next_index = int(restored.data_position["next_index"])
         self.sampler.load_state(restored.extra["sampling"])
 
