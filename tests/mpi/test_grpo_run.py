@@ -105,3 +105,14 @@ def test_hand_launch_with_wrong_rank_count_fails_fast(mpirun, tmp_path, two_step
     proc = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "the MPI world has 5 ranks but the plan needs 4" in proc.stderr
+
+
+def test_load_from_starts_fresh_with_another_runs_weights(two_step_run, tmp_path):
+    proc = yatt_run(tmp_path / "run", "--set", "train.steps=1", "--set", f"checkpoint.load_from={two_step_run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (tmp_path / "run" / "logs" / "rank-0000-trainer.log").read_text()
+    assert f"initialized weights from {two_step_run} (its step 2)" in log
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1]
+    # the rollout engine samples with the loaded weights, not the initial model's
+    assert rows[0]["train/rollout_logp_diff_max"] < 1e-4
