@@ -232,11 +232,12 @@ def act_on_stop(run_dir: Path, slurm: SlurmEnv, signals: SignalLog) -> str | Non
     _say(f"the run stopped at step {decision['step']}: {decision['reason']}")
     if not decision["requeue"]:
         return "stopped"
-    submitit_handler = next((signals.previous[s] for s in signals.received
-                             if callable(signals.previous.get(s))), None)
-    if submitit_handler is not None:
+    # submitit binds its requeue handler to the preemption signal only (others it just logs)
+    requeue_signal = next((s for s in signals.received
+                           if getattr(signals.previous.get(s), "__name__", "") == "checkpoint_and_try_requeue"), None)
+    if requeue_signal is not None:
         _say("requeueing through submitit")
-        submitit_handler(signals.received[-1], None)  # requeues, then exits this process
+        signals.previous[requeue_signal](requeue_signal, None)  # requeues, then exits this process
         return "requeued"
     from yatt_hpc.launch.requeue import requeue_job
 
