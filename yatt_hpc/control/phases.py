@@ -12,16 +12,14 @@ Other modes overlap phases on purpose, and the gate does nothing.
 """
 from __future__ import annotations
 
-import time
+from yatt_hpc.control.wire import wait_all
 
 
 class PhaseGate:
-    def __init__(self, comm, enabled: bool, stats=None, poll_s: float = 0.002):
-        self.comm, self.enabled, self.stats, self.poll_s = comm, enabled, stats, poll_s
+    def __init__(self, comm, enabled: bool, poll_s: float = 0.002):
+        self.comm, self.enabled, self.poll_s = comm, enabled, poll_s
 
     def cross(self, name: str) -> None:
-        if not self.enabled:
-            return
-        request = self.comm.Ibarrier()
-        while not request.Test():
-            time.sleep(self.poll_s)
+        """`name` documents the call site; every rank crosses the same gates in the same order."""
+        if self.enabled:
+            wait_all([self.comm.Ibarrier()], self.poll_s)

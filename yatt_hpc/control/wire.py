@@ -194,9 +194,7 @@ def agree_more(comm, mine: bool, poll_s: float = 0.002) -> bool:
     """Whether any rank wants another sampling wave (collective over `comm`, polled, not spinning)."""
     flag = np.array([1 if mine else 0], dtype=np.int64)
     out = np.zeros(1, dtype=np.int64)
-    request = comm.Iallreduce(flag, out, op=MPI.MAX)
-    while not request.Test():
-        time.sleep(poll_s)
+    wait_all([comm.Iallreduce(flag, out, op=MPI.MAX)], poll_s)
     return bool(out[0])
 
 
