@@ -33,13 +33,23 @@ class Routes:
         t = self.plan.group("trainer")
         return t.coords(world_rank - t.rank_start)
 
-    def rollout_for(self, dp: int) -> int:
+    def rollout_ranks(self) -> list[int]:
+        """World ranks serving rollout (the plan's rollout group; one place to change for a role split)."""
         r = self.plan.group("rollout")
-        return r.rank_start + dp % r.tasks
+        return list(range(r.rank_start, r.rank_stop))
+
+    def genrm_ranks(self) -> list[int]:
+        """World ranks serving GenRM scoring."""
+        g = self.plan.group("genrm")
+        return list(range(g.rank_start, g.rank_stop))
+
+    def rollout_for(self, dp: int) -> int:
+        ranks = self.rollout_ranks()
+        return ranks[dp % len(ranks)]
 
     def genrm_for(self, dp: int) -> int:
-        g = self.plan.group("genrm")
-        return g.rank_start + dp % g.tasks
+        ranks = self.genrm_ranks()
+        return ranks[dp % len(ranks)]
 
     def replicas_of_rollout(self, world_rank: int) -> list[int]:
         return [d for d in range(self.dp) if self.rollout_for(d) == world_rank]
@@ -49,9 +59,7 @@ class Routes:
 
     def weight_source_for(self, rollout_world_rank: int) -> int:
         """Trainer replica whose TP-rank-0 sends fresh weights to this rollout rank (spreads the sends)."""
-        r = self.plan.group("rollout")
-        return (rollout_world_rank - r.rank_start) % self.dp
+        return self.rollout_ranks().index(rollout_world_rank) % self.dp
 
     def weight_targets_of(self, dp: int) -> list[int]:
-        r = self.plan.group("rollout")
-        return [w for w in range(r.rank_start, r.rank_stop) if self.weight_source_for(w) == dp]
+        return [w for w in self.rollout_ranks() if self.weight_source_for(w) == dp]
