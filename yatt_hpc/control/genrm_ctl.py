@@ -40,13 +40,17 @@ class GenRMController(BaseController):
         self.world, self.cfg, self.stats = world, cfg, stats
         self.routes = Routes(world.plan)
         self.replicas = self.routes.replicas_of_genrm(world.rank)
-        self.gate = PhaseGate(world.comm, enabled=world.plan.mode == "colocate")
+        self.colocate = world.plan.mode == "colocate"
+        self.gate = PhaseGate(world.comm, enabled=self.colocate)
         self.policy_tokenizer = load_tokenizer(cfg.model.path)
         rc = cfg.reward
         self.judge = None
         if rc.mode != "rule_only":
-            self.judge = GenRMJudge.from_pretrained(rc.genrm_path, max_new_tokens=rc.verdict_max_tokens,
+            device = "cuda" if world.plan.group("genrm").devices_per_task else "cpu"
+            self.judge = GenRMJudge.from_pretrained(rc.genrm_path, device=device, max_new_tokens=rc.verdict_max_tokens,
                                                     temperature=rc.verdict_temperature)
+            if self.colocate:
+                self.judge.release_memory()  # the trainer holds the devices first; the judge wakes for its phase
         log.info("genrm rank scores trainer replicas %s (mode %s)", self.replicas, rc.mode)
 
     def step(self, step: int) -> None:
@@ -59,6 +63,9 @@ class GenRMController(BaseController):
         """Score chunks as they arrive; hand each replica its samples once all of them are scored."""
         sender = StreamSender(self.world.comm, max_inflight=len(self.replicas) + 1)
         self.gate.cross("generated")
+        if self.colocate and self.judge is not None:
+            with self.stats.phase("resume"):
+                self.judge.resume_memory()
         waiting = {}
         for d in self.replicas:  # each served replica says how many samples this wave brings
             owner, count = self.routes.trainer_owner(d), np.zeros(1, np.int64)
@@ -83,6 +90,9 @@ class GenRMController(BaseController):
                 self.stats.hold(-len(done))
                 self.stats.add("scored", len(done))
                 del waiting[owner]
+        if self.colocate and self.judge is not None:
+            with self.stats.phase("release"):
+                self.judge.release_memory()
         self.gate.cross("scored")
         sender.drain()
 

@@ -8,6 +8,8 @@
 
 With a timeline path, every phase is also appended as {"step", "phase", "start", "end"} (wall
 clock) to RUN_DIR/timeline/rank-NNNN-GROUP.jsonl, the raw material of `yatt-hpc report`'s phase plot.
+Once the process has used CUDA, each event also carries `cuda_mb`, the device memory this process
+holds when the phase ends: in full colocation a released group must show (nearly) none.
 
 Peak held samples is the proof of the parallel-controller design: no rank ever holds more than
 its shard plus what is in flight to it, and the leader is no exception.
@@ -26,6 +28,14 @@ def peak_rss_mb() -> float:
     """Peak resident set size of this process in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def cuda_held_mb() -> float | None:
+    """Device memory reserved by this process's caching allocator (MiB); None before CUDA is used."""
+    torch = sys.modules.get("torch")  # never import torch (or initialise CUDA) just to measure
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.memory_reserved() / 2**20
 
 
 class RankStats:
@@ -52,8 +62,11 @@ class RankStats:
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
             if self._timeline is not None:
-                self._timeline.write(json.dumps({"step": self.step, "phase": name, "start": wall,
-                                                 "end": time.time()}) + "\n")
+                event = {"step": self.step, "phase": name, "start": wall, "end": time.time()}
+                held = cuda_held_mb()
+                if held is not None:
+                    event["cuda_mb"] = held
+                self._timeline.write(json.dumps(event) + "\n")
 
     def add(self, key: str, value: float) -> None:
         self.values[key] = self.values.get(key, 0.0) + float(value)

@@ -90,6 +90,9 @@ class TrainerController(BaseController):
                                                  tp_size=tp, seed=cfg.train.seed)
         torch.manual_seed(cfg.train.seed)
         self.policy = MegatronPolicy.from_hf(cfg.model.path, self.tp_rank, tp, cfg.train)
+        self.colocate = world.plan.mode == "colocate"
+        if self.colocate:
+            self.policy.release_memory()  # rollout and GenRM take the devices first each step
         log.info("trainer dp=%d tp=%d owner=%s ready", self.dp_rank, self.tp_rank, self.is_owner)
 
     def _rendezvous(self) -> tuple[str, int]:
@@ -118,12 +121,18 @@ class TrainerController(BaseController):
         if not self.is_owner:
             self.stats.hold(len(batch))
         advantages = group_advantages(batch.reward, batch.prompt_id)     # GRPO advantages
+        if self.colocate:
+            with self.stats.phase("resume"):
+                self.policy.resume_memory()
         with self.stats.phase("train"):
             global_tokens = self.world.group_comm.allreduce(
                 int(batch.response_len.sum()) if self.is_owner else 0)
             update = self.policy.update(batch, advantages, float(global_tokens))
         with self.stats.phase("weight_sync"):
             self.sync_weights()
+        if self.colocate:
+            with self.stats.phase("release"):
+                self.policy.release_memory()
         self.report(batch, update)
         self.stats.hold(-len(batch))
 
@@ -292,7 +301,10 @@ class TrainerController(BaseController):
 
     def after_resume(self, step: int) -> None:
         """The rollout engines still hold the initial weights: send them the restored ones."""
+        self.policy.resume_memory()  # the TP gather runs on the devices
         self.sync_weights()
+        if self.colocate:
+            self.policy.release_memory()
 
     def report(self, batch: SampleBatch, update) -> None:
         if not self.is_owner:

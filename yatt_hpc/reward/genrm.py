@@ -100,6 +100,7 @@ class GenRMJudge:
             raise ValueError(f"GenRMJudge needs max_new_tokens >= 1, temperature >= 0, batch_size >= 1; got "
                              f"{max_new_tokens}, {temperature}, {batch_size}")
         self.model = model.eval()
+        self.device = next(model.parameters()).device  # where it runs; release_memory parks it on the host
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
@@ -108,12 +109,22 @@ class GenRMJudge:
         self.max_prompt_tokens = max_positions - max_new_tokens
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs) -> GenRMJudge:
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", **kwargs) -> GenRMJudge:
         """Load a judge saved with `save_pretrained` plus `CharTokenizer.save` in the same directory."""
         from transformers import AutoModelForCausalLM  # imported here: transformers import is slow
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
         return cls(model, CharTokenizer.load(path), **kwargs)
+
+    def release_memory(self) -> None:
+        """Full colocation: weights to host memory and the cached blocks back to CUDA (no-op on CPU)."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
 
     def generate_verdicts(self, pairs: Sequence[tuple[str, str]]) -> list[str]:
         """Verdict text for each (question, response) pair, in order. A question too long for the

@@ -104,8 +104,12 @@ class MegatronPolicy:
             setattr(totals, key, getattr(totals, key) / passes)
         return totals
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def _micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float) -> UpdateStats:
-        tokens, mask, old_logp = pack_micro_batch(mb)
+        tokens, mask, old_logp = (t.to(self.device) for t in pack_micro_batch(mb))
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         logits = megatron_model.forward_logits(self.model, inputs)
         logp, entropy = token_logprobs_and_entropy(logits, targets, self.tp_group, self.hf_config.vocab_size,
@@ -116,7 +120,7 @@ class MegatronPolicy:
                 ref_logits = megatron_model.forward_logits(self.reference, inputs)
                 ref_logp, _ = token_logprobs_and_entropy(ref_logits, targets, self.tp_group,
                                                          self.hf_config.vocab_size, self.temperature)
-        adv_tok = torch.from_numpy(adv).float()[:, None].expand_as(logp)
+        adv_tok = torch.from_numpy(adv).float().to(logp.device)[:, None].expand_as(logp)
         loss, stats = policy_loss(logp, old_logp, adv_tok, mask, clip_low=self.cfg.clip_low,
                                   clip_high=self.cfg.clip_high, token_count=global_tokens, ref_logp=ref_logp,
                                   kl_coef=self.cfg.kl_coef, entropy=entropy, entropy_coef=self.cfg.entropy_coef)
@@ -134,11 +138,12 @@ class MegatronPolicy:
 
     def _clip_grads(self) -> float:
         """Global L2 norm over the whole (TP-sharded) model; clip to `grad_clip` if set."""
-        sharded, replicated = torch.zeros(()), torch.zeros(())
+        # summed on the parameters' device: NCCL reduces device tensors only, and one sync at the end
+        sharded, replicated = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         for p in self.model.parameters():
             if p.grad is None:
                 continue
-            sq = p.grad.detach().float().pow(2).sum().cpu()
+            sq = p.grad.detach().float().pow(2).sum()
             if getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:
@@ -152,6 +157,37 @@ class MegatronPolicy:
                 if p.grad is not None:
                     p.grad.mul_(scale)
         return norm
+
+    # ------------------------------------------------------------------ full colocation
+
+    def release_memory(self) -> None:
+        """Give the device back for the other groups' phases: parameters (policy and reference) and
+        optimizer state move to host memory, gradients are dropped. CPU runtime: nothing to do.
+
+        ``Module.to`` swaps each parameter's data in place, so the optimizer's references stay valid;
+        the round trip is a copy, so a released-and-resumed policy trains bitwise like one that stayed.
+        """
+        if self.device.type != "cuda":
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        self._move("cpu")
+        torch.cuda.empty_cache()
+
+    def resume_memory(self, device: torch.device | None = None) -> None:
+        """Weights back first, then the optimizer state (the order that keeps the peak lowest)."""
+        target = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None)
+        if target is None or self.device == target:
+            return
+        self._move(target)
+
+    def _move(self, device) -> None:
+        for module in (self.model, self.reference):
+            if module is not None:
+                module.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = value.to(device)
 
     # ------------------------------------------------------------------ weights out
 
