@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/ckpt_stall.py                       # 256M fp32 elements, 5 saves per mode
     .venv/bin/python bench/ckpt_stall.py --elements 64e6 --repeats 3 --step-seconds 2 --run-dir /tmp/b
+    python3 bench/ckpt_stall.py --device cuda                  # the state on a GPU: snapshot = D2H copy
 
 The "stall" is the time ``CheckpointManager.save`` blocks the loop: the whole write + fsync +
 sha256 + commit for ``async_save=False``; waiting for the previous save (if still in flight) plus
@@ -9,7 +10,8 @@ the host-memory snapshot for ``async_save=True``. Between saves the loop "trains
 ``--step-seconds`` (a sleep, like a GPU-bound step that leaves the CPU to the writer). The reused
 staging buffers are allocated before the loop (``CheckpointManager.prepare``, reported as
 "prepare"); without it the first async save pays for faulting them in. Prints a rich table
-and writes bench/results/ckpt_stall.json. Target: the async stall >= 30x shorter than sync.
+and writes bench/results/ckpt_stall.json (ckpt_stall_cuda.json with --device cuda).
+Target: the async stall >= 30x shorter than sync.
 """
 from __future__ import annotations
 
@@ -32,11 +34,11 @@ from yatt_hpc.ckpt import CheckpointManager, RankState, SharedState, capture_rng
 RESULTS = Path(__file__).resolve().parent / "results" / "ckpt_stall.json"
 
 
-def build_state(elements: int) -> RankState:
+def build_state(elements: int, device: str = "cpu") -> RankState:
     """Model + AdamW-like optimizer state: 4 tensors of elements/4 fp32 each (~4 bytes/element)."""
     quarter = elements // 4
-    model = {"w0": torch.randn(quarter), "w1": torch.randn(quarter)}
-    optim = {"w0.exp_avg": torch.randn(quarter), "w0.exp_avg_sq": torch.rand(quarter)}
+    model = {"w0": torch.randn(quarter, device=device), "w1": torch.randn(quarter, device=device)}
+    optim = {"w0.exp_avg": torch.randn(quarter, device=device), "w0.exp_avg_sq": torch.rand(quarter, device=device)}
     return RankState("trainer/dp0/tp0/pp0", {"dp": 0, "tp": 0, "pp": 0}, model=model, optim=optim,
                      rng=capture_rng(), data_position={"next": 0})
 
@@ -71,9 +73,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--step-seconds", type=float, default=8.0, help="simulated training step between saves")
     ap.add_argument("--run-dir", type=Path, default=None, help="where to write (default: a temp dir, removed)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the state lives")
     args = ap.parse_args()
+    results_path = RESULTS if args.device == "cpu" else RESULTS.with_name("ckpt_stall_cuda.json")
     root = args.run_dir or Path(tempfile.mkdtemp(prefix="ckpt_stall_"))
-    state = build_state(int(args.elements))
+    state = build_state(int(args.elements), args.device)
     nbytes = sum(t.numel() * t.element_size() for t in (*state.model.values(), *state.optim.values()))
     try:
         results = [measure(m, state, root / m, args.repeats, args.step_seconds) for m in ("sync", "async")]
@@ -82,12 +86,12 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     sync, asyn = results
     ratio = sync["median_s"] / asyn["median_s"]
-    report = {"bytes": nbytes, "repeats": args.repeats, "step_seconds": args.step_seconds,
+    report = {"bytes": nbytes, "device": args.device, "repeats": args.repeats, "step_seconds": args.step_seconds,
               "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "host": platform.node(),
               "results": results, "speedup_median": ratio, "target": 30.0, "meets_target": ratio >= 30.0}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2))
-    table = Table(title=f"checkpoint stall per save, {nbytes / 2**30:.2f} GiB state, {args.repeats} saves")
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps(report, indent=2))
+    table = Table(title=f"checkpoint stall per save, {nbytes / 2**30:.2f} GiB state on {args.device}, {args.repeats} saves")
     for col in ("mode", "prepare (s)", "each save (s)", "median (s)", "max (s)", "save->commit (s)"):
         table.add_column(col)
     for r in results:
@@ -97,7 +101,7 @@ def main() -> None:
     console = Console()
     console.print(table)
     console.print(f"sync / async median stall: {ratio:.1f}x (target >= 30x: "
-                  f"{'met' if ratio >= 30 else 'NOT met'}); JSON: {RESULTS}")
+                  f"{'met' if ratio >= 30 else 'NOT met'}); JSON: {results_path}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from yatt_hpc.data.tokenizer import CharTokenizer
+from yatt_hpc.offload import HostParking
 
 # The judge reads the transcript exactly as the policy wrote it (prompt then response), so a judge
 # can start from the policy's own weights; the question then asks for the verdict.
@@ -101,6 +102,7 @@ class GenRMJudge:
                              f"{max_new_tokens}, {temperature}, {batch_size}")
         self.model = model.eval()
         self.device = next(model.parameters()).device  # where it runs; release_memory parks it on the host
+        self._parking = HostParking()
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
@@ -119,12 +121,11 @@ class GenRMJudge:
     def release_memory(self) -> None:
         """Full colocation: weights to host memory and the cached blocks back to CUDA (no-op on CPU)."""
         if self.device.type == "cuda":
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
+            self._parking.release([self.model])
 
     def resume_memory(self) -> None:
         if self.device.type == "cuda":
-            self.model.to(self.device)
+            self._parking.resume([self.model], None, self.device)
 
     def generate_verdicts(self, pairs: Sequence[tuple[str, str]]) -> list[str]:
         """Verdict text for each (question, response) pair, in order. A question too long for the

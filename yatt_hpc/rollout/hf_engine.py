@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from yatt_hpc.offload import HostParking
 from yatt_hpc.rollout.engine import (
     BaseEngine,
     GenerationRequest,
@@ -122,6 +123,7 @@ class HFEngine(BaseEngine):
         self._version = 0
         self._mid_update = False
         self._released = False
+        self._parking = HostParking()
         self._lock = threading.Lock()
         self._in_flight = False
         self._abort = threading.Event()
@@ -288,18 +290,17 @@ class HFEngine(BaseEngine):
     # -- memory and lifecycle -----------------------------------------------------------------------
 
     def release_memory(self) -> None:
-        """CUDA: weights to host memory, then ``empty_cache``. CPU: nothing to give back (no-op)."""
+        """CUDA: weights to reused pinned host buffers, then ``empty_cache``. CPU: nothing to give back."""
         self._check_alive()
         if self._device.type == "cuda" and not self._released:
-            self._model.to("cpu")
-            torch.cuda.empty_cache()
+            self._parking.release([self._model])
         self._released = True
 
     def resume_memory(self) -> None:
         """CUDA: weights back to the device. The KV cache is allocated per generate call, i.e. after."""
         self._check_alive()
         if self._device.type == "cuda" and self._released:
-            self._model.to(self._device)
+            self._parking.resume([self._model], None, self._device)
         self._released = False
 
     def shutdown(self) -> None:

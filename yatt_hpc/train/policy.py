@@ -24,6 +24,7 @@ from transformers import AutoConfig
 
 from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.control.wire import SampleBatch
+from yatt_hpc.offload import HostParking
 from yatt_hpc.train import convert, megatron_model
 from yatt_hpc.train.grpo import policy_loss
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
@@ -64,6 +65,7 @@ class MegatronPolicy:
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.temperature = 1.0
+        self._parking = HostParking()
 
     @classmethod
     def from_hf(cls, model_dir: str | Path, tp_rank: int, tp_size: int, cfg: TrainConfig,
@@ -162,32 +164,18 @@ class MegatronPolicy:
 
     def release_memory(self) -> None:
         """Give the device back for the other groups' phases: parameters (policy and reference) and
-        optimizer state move to host memory, gradients are dropped. CPU runtime: nothing to do.
-
-        ``Module.to`` swaps each parameter's data in place, so the optimizer's references stay valid;
-        the round trip is a copy, so a released-and-resumed policy trains bitwise like one that stayed.
-        """
+        optimizer state move to reused pinned host buffers (`yatt_hpc.offload`), gradients are dropped.
+        The round trip is a copy, so a released-and-resumed policy trains bitwise like one that stayed.
+        CPU runtime: nothing to do."""
         if self.device.type != "cuda":
             return
         self.optimizer.zero_grad(set_to_none=True)
-        self._move("cpu")
-        torch.cuda.empty_cache()
+        self._parking.release((self.model, self.reference), self.optimizer)
 
-    def resume_memory(self, device: torch.device | None = None) -> None:
-        """Weights back first, then the optimizer state (the order that keeps the peak lowest)."""
-        target = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None)
-        if target is None or self.device == target:
-            return
-        self._move(target)
-
-    def _move(self, device) -> None:
-        for module in (self.model, self.reference):
-            if module is not None:
-                module.to(device)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    state[key] = value.to(device)
+    def resume_memory(self) -> None:
+        if torch.cuda.is_available():
+            self._parking.resume((self.model, self.reference), self.optimizer,
+                                 torch.device("cuda", torch.cuda.current_device()))
 
     # ------------------------------------------------------------------ weights out
 
