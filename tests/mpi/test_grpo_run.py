@@ -77,7 +77,8 @@ def test_same_seed_same_rewards(two_step_run, tmp_path):
     again = yatt_run(tmp_path / "again")
     assert again.returncode == 0, again.stderr[-3000:]
     keys = ("reward/mean", "reward/accuracy", "rollout/response_len_mean", "train/loss")
-    assert [{k: r[k] for k in keys} for r in metrics(two_step_run)] == [{k: r[k] for k in keys} for r in metrics(tmp_path / "again")]
+    first = [{k: r[k] for k in keys} for r in metrics(two_step_run)]
+    assert first == [{k: r[k] for k in keys} for r in metrics(tmp_path / "again")]
 
 
 def test_missing_model_file_is_a_clear_error(mpirun, tmp_path):

@@ -51,7 +51,7 @@ def main() -> None:
         batch, src = recv_batch(comm, MPI.ANY_SOURCE, TAG_SAMPLES)
         np.savez(out / f"batch-{rank}.npz", source=src, **{k: getattr(batch, k) for k in batch.__dataclass_fields__})
         got, buckets = {}, 0
-        for bucket, final in recv_weights(comm, 0):
+        for bucket, _final in recv_weights(comm, 0):
             buckets += 1
             got.update(dict(bucket))
         save_file(got, str(out / f"weights-{rank}.safetensors"))

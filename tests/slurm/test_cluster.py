@@ -17,13 +17,15 @@ def _script(header: str, srun: str, out) -> str:
     # Virtual nodes share one host: Open MPI's shared-memory transport (vader) would pair ranks of
     # "different nodes" through colliding segments and segfault; real clusters do not need this.
     env = f"export PYTHONPATH={shlex.quote(str(REPO))}\nexport OMPI_MCA_btl=self,tcp\n"
-    return f"#!/bin/bash\n{header}\n{env}{srun} {shlex.quote(PYTHON)} {shlex.quote(PROBE)} {shlex.quote(str(out))} {shlex.quote(CONFIG)}"
+    argv = " ".join(shlex.quote(a) for a in (PYTHON, PROBE, str(out), CONFIG))
+    return f"#!/bin/bash\n{header}\n{env}{srun} {argv}"
 
 
 def test_sbatch_srun_pmix_world_across_two_nodes(slurm_cluster, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    header = "#SBATCH --job-name=yatt-test-world\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n#SBATCH --time=5\n#SBATCH --output=slurm-%j.out"
+    header = ("#SBATCH --job-name=yatt-test-world\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n#SBATCH --time=5\n"
+              "#SBATCH --output=slurm-%j.out")
     job = sbatch(_script(header, "srun --mpi=pmix --kill-on-bad-exit=1", out), tmp_path)
     states = wait_job(job)
     log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))

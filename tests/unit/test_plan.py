@@ -59,11 +59,13 @@ def test_dp_is_derived_when_null():
 
 
 IMPOSSIBLE = [
-    pytest.param(("placement.trainer.tp=3",), "tp*cp*pp = 3*1*1 = 3 does not divide the group's 2 ranks", id="tp-not-dividing-ranks"),
+    pytest.param(("placement.trainer.tp=3",), "tp*cp*pp = 3*1*1 = 3 does not divide the group's 2 ranks",
+        id="tp-not-dividing-ranks"),
     pytest.param(("placement.trainer.dp=4",), "placement.trainer.dp=4 but 2 ranks", id="dp-mismatch"),
     pytest.param(("placement.trainer.devices_per_task=2",), "drives exactly one device", id="trainer-two-devices"),
     pytest.param(("placement.rollout.tp=2",), "needs GPUs but devices_per_task=0", id="cpu-engine-tp2"),
-    pytest.param(("placement.rollout.tp=2", "placement.rollout.devices_per_task=3"), "does not divide devices_per_task=3", id="engine-tp-not-dividing-devices"),
+    pytest.param(("placement.rollout.tp=2", "placement.rollout.devices_per_task=3"), "does not divide devices_per_task=3",
+        id="engine-tp-not-dividing-devices"),
     pytest.param(("placement.genrm.cp=2",), "context parallelism is a trainer feature", id="engine-cp"),
     pytest.param(("placement.rollout.nodes=2",), "puts all groups on the same nodes", id="colocate-node-mismatch"),
     pytest.param(("placement.rollout.dp=3",), "placement.rollout.dp=3 but the group has 1 ranks", id="engine-dp-mismatch"),

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_every_replica_is_served_once(name, overrides):
     p = plan(load_config(REPO / "configs" / name, overrides))
     r = Routes(p)
-    rollout, genrm, trainer = p.group("rollout"), p.group("genrm"), p.group("trainer")
+    rollout, genrm = p.group("rollout"), p.group("genrm")
     served = sorted(d for w in range(rollout.rank_start, rollout.rank_stop) for d in r.replicas_of_rollout(w))
     scored = sorted(d for w in range(genrm.rank_start, genrm.rank_stop) for d in r.replicas_of_genrm(w))
     assert served == scored == list(range(r.dp))
