@@ -43,7 +43,7 @@ bench: install system-deps
 	$(PY) bench/run_all.py
 
 lint: install
-	$(VENV)/bin/ruff check yatt_hpc tests tools
+	$(VENV)/bin/ruff check yatt_hpc tests tools bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

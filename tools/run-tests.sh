@@ -21,4 +21,6 @@ else
   echo "not root or no apt-get: not starting the dev Slurm cluster; Slurm tests will skip" >&2
 fi
 
+# lint first: seconds, and a CI run should not pass with code `make lint` rejects
+${VENV:-.venv}/bin/ruff check yatt_hpc tests tools bench || exit 1
 "$PY" -m pytest -q "$@"
