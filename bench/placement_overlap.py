@@ -38,27 +38,21 @@ NOTES = ("Tiny random policy/judge with a tuned eos rate (lengths above); 4 rank
 
 def build_models(root: Path, eos_rate: float) -> dict[str, str]:
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
 
+    from yatt_hpc.data.tiny_models import char_gpt2, save_char_model
     from yatt_hpc.data.tokenizer import CharTokenizer
 
     tok = CharTokenizer()
     out = {}
     for seed, name in enumerate(("policy", "judge")):
-        torch.manual_seed(seed)
-        config = GPT2Config(vocab_size=tok.vocab_size, n_embd=64, n_layer=2, n_head=2, n_positions=512,
-                            activation_function="gelu_new", tie_word_embeddings=True, eos_token_id=tok.eos_id,
-                            bos_token_id=tok.bos_id, pad_token_id=tok.pad_id)
-        model = GPT2LMHeadModel(config)
+        model = char_gpt2(n_embd=64, n_positions=512, seed=seed)
         if name == "policy":
             with torch.no_grad():  # eos logit ~ log(rate * (V-1) / (1-rate)) on average: a chosen mean length
                 hidden = model.transformer(torch.randint(4, tok.vocab_size, (64, 64))).last_hidden_state.reshape(-1, 64)
                 direction = hidden.mean(0) / hidden.mean(0).norm()
                 logit = np.log(eos_rate * (tok.vocab_size - 1) / (1 - eos_rate))
                 model.transformer.wte.weight[tok.eos_id] = direction * logit / float((hidden @ direction).mean())
-        model.save_pretrained(root / name, safe_serialization=True)
-        tok.save(root / name)
-        out[name] = str(root / name)
+        out[name] = save_char_model(model, root / name)
     return out
 
 

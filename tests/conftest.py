@@ -58,20 +58,6 @@ def slurm_cluster() -> str:
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Random tiny GPT-2 policy and judge with the character tokenizer: fast plumbing tests that do
     not need a policy that learns (the demo models under models/demo are for that)."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from yatt_hpc.data.tiny_models import save_random_pair
 
-    from yatt_hpc.data.tokenizer import CharTokenizer
-
-    root = tmp_path_factory.mktemp("tiny_models")
-    tok = CharTokenizer()
-    out = {}
-    for seed, name in enumerate(("policy", "judge")):
-        torch.manual_seed(seed)
-        config = GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                            activation_function="gelu_new", tie_word_embeddings=True, eos_token_id=tok.eos_id,
-                            bos_token_id=tok.bos_id, pad_token_id=tok.pad_id)
-        GPT2LMHeadModel(config).save_pretrained(root / name, safe_serialization=True)
-        tok.save(root / name)
-        out[name] = str(root / name)
-    return out
+    return save_random_pair(tmp_path_factory.mktemp("tiny_models"), n_embd=32, n_positions=64)

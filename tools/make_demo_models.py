@@ -33,9 +33,10 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 from yatt_hpc.data.demo_task import demo_row, near_miss
+from yatt_hpc.data.tiny_models import char_gpt2, save_char_model
 from yatt_hpc.data.tokenizer import CharTokenizer
 from yatt_hpc.reward.genrm import GenRMJudge, build_judge_prompt, combine_reward, judge_agrees, verdict_text
 from yatt_hpc.reward.verifier import rule_score
@@ -50,10 +51,7 @@ JUDGE_MISTAKES = POLICY_MISTAKES * 4 + ("rotate", "random_word", "extra_tail", "
 
 
 def build_gpt2(tok: CharTokenizer, shape: dict) -> GPT2LMHeadModel:
-    config = GPT2Config(vocab_size=tok.vocab_size, n_positions=N_POSITIONS, activation_function="gelu_new",
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-                        bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, **shape)
-    return GPT2LMHeadModel(config)
+    return char_gpt2(n_positions=N_POSITIONS, **shape)
 
 
 class RowStream:
@@ -210,8 +208,7 @@ def save(model: GPT2LMHeadModel, tok: CharTokenizer, directory: Path, metrics: d
     if sampling:
         # Pure sampling by default: HF's implicit top_k=50 would make rollout log-probs differ from the trainer's.
         model.generation_config.do_sample, model.generation_config.top_k = True, 0
-    model.save_pretrained(directory, safe_serialization=True)
-    tok.save(directory)
+    save_char_model(model, directory)
     (directory / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n", encoding="utf-8")
 
 

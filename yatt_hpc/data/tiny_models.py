@@ -1,0 +1,44 @@
+"""Tiny GPT-2 models over the demo task's character tokenizer: the one builder that tests,
+benchmarks and `tools/make_demo_models.py` share.
+
+    model = char_gpt2(n_embd=32, n_positions=64, seed=0)     # random weights
+    save_char_model(model, Path("out/policy"))                # safetensors + tokenizer files
+    dirs = save_random_pair(Path("out"), n_embd=32)           # {"policy": ..., "judge": ...}
+
+Dropout is off (the RL loop compares trainer and rollout log-probs of the same weights) and the
+embeddings are tied, as in the committed demo models.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from yatt_hpc.data.tokenizer import CharTokenizer
+
+
+def char_gpt2(n_embd: int = 32, n_layer: int = 2, n_head: int = 2, n_positions: int = 64, seed: int | None = None):
+    from transformers import GPT2Config, GPT2LMHeadModel  # imported here: transformers import is slow
+
+    tok = CharTokenizer()
+    config = GPT2Config(vocab_size=tok.vocab_size, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+                        n_positions=n_positions, activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0, tie_word_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                        pad_token_id=tok.pad_id)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return GPT2LMHeadModel(config)
+
+
+def save_char_model(model, directory: Path) -> str:
+    """`save_pretrained` (safetensors only) plus the tokenizer files the engines and judge read."""
+    directory = Path(directory)
+    model.save_pretrained(directory, safe_serialization=True)
+    CharTokenizer().save(directory)
+    return str(directory)
+
+
+def save_random_pair(root: Path, **shape) -> dict[str, str]:
+    """A random policy (seed 0) and judge (seed 1) of the same shape under `root`."""
+    return {name: save_char_model(char_gpt2(seed=seed, **shape), Path(root) / name)
+            for seed, name in enumerate(("policy", "judge"))}
