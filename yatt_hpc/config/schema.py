@@ -173,6 +173,22 @@ class EnginePlacement(GroupPlacement):
     """Rollout or GenRM group: engine replicas laid out tp-pp-dp (one controller rank per replica)."""
 
 
+class DynamicSplitConfig(Section):
+    """`partial` placement: rollout and GenRM ranks form one pool of engine replicas, re-split every step."""
+
+    enabled: bool = False
+    """Each pool rank holds a policy engine and a judge and serves the role the step's split gives it
+    (the other stays released). The leader picks the split from the busy seconds each role measured;
+    the configured rollout/GenRM task counts are the first step's split, and both groups need the same
+    replica shape. The split depends on timing, and engine batch composition with it (logprobs agree
+    to ~1e-6), so a resumed run is not bitwise identical to an uninterrupted one; the split itself is
+    checkpointed and restored exactly."""
+    min_replicas: int = Field(1, ge=1)
+    """Engine replicas each role keeps at least."""
+    hysteresis: float = Field(0.1, ge=0.0, lt=1.0)
+    """A new split is taken only if it predicts the busiest replica at least this fraction less busy."""
+
+
 class PlacementConfig(Section):
     """Where the three groups run."""
 
@@ -186,6 +202,8 @@ class PlacementConfig(Section):
     """Rollout group shape."""
     genrm: EnginePlacement = EnginePlacement()
     """GenRM group shape."""
+    dynamic_split: DynamicSplitConfig = DynamicSplitConfig()
+    """Dynamic rollout/GenRM split of the engine pool (`partial` only; off by default)."""
 
 
 class CheckpointConfig(Section):

@@ -13,6 +13,11 @@ from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
 
 class BaseController:
     shard: dict[str, int] = {}
+    routes = None  # this step's Routes; every controller sets its own in __init__
+
+    def set_routes(self, routes) -> None:
+        """Take the routes of the coming step (a dynamic split changes them between steps)."""
+        self.routes = routes
 
     @property
     def identity(self) -> str:

@@ -39,7 +39,6 @@ class GenRMController(BaseController):
     def __init__(self, world, cfg: RunConfig, stats: RankStats):
         self.world, self.cfg, self.stats = world, cfg, stats
         self.routes = Routes(world.plan)
-        self.replicas = self.routes.replicas_of_genrm(world.rank)
         self.colocate = world.plan.mode == "colocate"
         self.gate = PhaseGate(world.comm, enabled=self.colocate)
         self.policy_tokenizer = load_tokenizer(cfg.model.path)
@@ -52,6 +51,11 @@ class GenRMController(BaseController):
             if self.colocate:
                 self.judge.release_memory()  # the trainer holds the devices first; the judge wakes for its phase
         log.info("genrm rank scores trainer replicas %s (mode %s)", self.replicas, rc.mode)
+
+    @property
+    def replicas(self) -> list[int]:
+        """Trainer replicas this rank scores for in the current step."""
+        return self.routes.replicas_of_genrm(self.world.rank)
 
     def step(self, step: int) -> None:
         while True:  # one wave without dynamic sampling; the trainers decide whether another follows

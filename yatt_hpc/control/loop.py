@@ -3,10 +3,12 @@
     StepLoop(world, cfg, controller, stats, metrics, ckpt, stop_flag, console, run_dir, slurm).run()
 
 Per step: all ranks agree whether to stop (allreduce MAX of each rank's stop code: a signal seen
-by any rank, or the leader's wall-time deadline); run their controller's step; send a small report
-(times, sums, peaks: no samples) to the leader; save a checkpoint when one is due. On a stop the
-ranks save (unless the step was just saved), wait for the write, and the leader requeues the job
-or says how to continue. The leader holds decisions and numbers, never the batch.
+by any rank, or the leader's wall-time deadline); with a dynamic split, take the leader's split of
+the next step (bcast; see split.py) and set the step's routes; run their controller's step; send a
+small report (times, sums, peaks: no samples) to the leader; save a checkpoint when one is due
+(with the split, if any). On a stop the ranks save (unless the step was just saved), wait for the
+write, and the leader requeues the job or says how to continue. The leader holds decisions and
+numbers, never the batch.
 """
 from __future__ import annotations
 
@@ -21,7 +23,10 @@ from mpi4py import MPI
 
 from yatt_hpc.ckpt import SharedState, should_save
 from yatt_hpc.control.preemption import DEADLINE, NONE, REASONS, decide_requeue, past_deadline
+from yatt_hpc.control.routing import RoleSplit, Routes
+from yatt_hpc.control.split import SplitSchedule
 from yatt_hpc.control.summary import step_scalars
+from yatt_hpc.control.world import LEADER_RANK
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,7 @@ class StepLoop:
         self.history: list[dict] = []
         self.step_seconds = 0.0
         self.outcome = "complete"
+        self.split = SplitSchedule.from_config(cfg, world.plan) if world.plan.dynamic_split else None
 
     # ------------------------------------------------------------------ the loop
 
@@ -57,10 +63,13 @@ class StepLoop:
                     self.save(step)
                 self.stop(reason, step)
                 break
+            self.agree_split()
             t0 = time.perf_counter()
             self.controller.step(step)
             self.step_seconds = time.perf_counter() - t0
             reports = self.world.comm.gather(self.stats.step_report(), root=0)
+            if self.split is not None:
+                self.split.end_step(reports)  # the leader decides the split of step + 2 from these loads
             if self.world.is_leader:
                 self.review(step, self.step_seconds, reports)
             step += 1
@@ -83,6 +92,10 @@ class StepLoop:
         if restored is not None:
             self.controller.restore(restored)
             self.stats.step = restored.step
+            if self.split is not None and not self.split.restore(restored.shared.counters):
+                log.warning("checkpoint step %d holds no usable dynamic split; starting from the configured one",
+                            restored.step)
+            self.set_resume_routes()
             self.controller.after_resume(restored.step)
             if self.world.is_leader:
                 self.say(f"resumed from checkpoint step {restored.step} in {self.run_dir}")
@@ -93,6 +106,7 @@ class StepLoop:
             return restored.step
         if self.cfg.checkpoint.load_from:
             self.controller.load_weights(self.ckpt.load_from(self.cfg.checkpoint.load_from, **self.controller.shard))
+            self.set_resume_routes()
             self.controller.after_resume(0)
         return 0
 
@@ -105,8 +119,21 @@ class StepLoop:
         self.world.comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
         return int(agreed[0])
 
+    def agree_split(self) -> None:
+        """Every rank takes the leader's split of the step after this one; set this step's routes."""
+        if self.split is None:
+            return
+        pending = self.world.comm.bcast(self.split.pending, root=LEADER_RANK)
+        self.controller.set_routes(Routes(self.world.plan, self.split.agreed(pending)))
+
+    def set_resume_routes(self) -> None:
+        """Restored weights go to the ranks that generate the first step (its split is `current`)."""
+        if self.split is not None:
+            self.controller.set_routes(Routes(self.world.plan, RoleSplit(self.split.current, self.split.current)))
+
     def save(self, step: int) -> None:
-        shared = SharedState(counters={"step": step}, config_yaml=self.config_yaml)
+        counters = {"step": step, **(self.split.counters() if self.split is not None else {})}
+        shared = SharedState(counters=counters, config_yaml=self.config_yaml)
         self.ckpt.save(step, self.controller.checkpoint_state(step), shared)
         log.info("checkpoint step %d handed to the writer (stall %.3fs)", step, self.ckpt.last_stall_s)
 
@@ -135,6 +162,10 @@ class StepLoop:
 
     def review(self, step: int, elapsed: float, reports: list[dict]) -> None:
         scalars = step_scalars(reports, elapsed, leader_report=reports[0])
+        if self.split is not None:
+            scalars.update(self.split.scalars())
+            log.info("step %d split: rollout %d of %d, busy rollout %.2fs genrm %.2fs; step %d: %s", step,
+                     self.split.ran, self.split.pool, *self.split.busy, step + 2, self.split.decision.reason)
         self.metrics.log(step + 1, scalars)
         self.history.append(scalars)
         if self.console is not None and self.cfg.logging.progress:

@@ -39,7 +39,6 @@ class RolloutController(BaseController):
     def __init__(self, world, cfg: RunConfig, stats: RankStats):
         self.world, self.cfg, self.stats = world, cfg, stats
         self.routes = Routes(world.plan)
-        self.replicas = self.routes.replicas_of_rollout(world.rank)
         self.colocate = world.plan.mode == "colocate"
         self.gate = PhaseGate(world.comm, enabled=self.colocate)
         device = "cuda" if world.plan.group("rollout").devices_per_task else "cpu"
@@ -49,12 +48,20 @@ class RolloutController(BaseController):
             self.engine.release_memory()  # the trainer builds first; the engine wakes for its phase
         log.info("rollout rank serves trainer replicas %s", self.replicas)
 
+    @property
+    def replicas(self) -> list[int]:
+        """Trainer replicas this rank generates for in the current step."""
+        return self.routes.replicas_of_rollout(self.world.rank)
+
     def step(self, step: int) -> None:
+        self.generate_waves()
+        self.receive_weights()
+
+    def generate_waves(self) -> None:
         while True:  # one wave without dynamic sampling; the trainers decide whether another follows
             self.stats.add("generated", self.wave())
             if not agree_more(self.world.comm, False):
                 break
-        self.receive_weights()
 
     def wave(self) -> int:
         """Receive one (possibly empty) prompt batch per served replica, generate, stream to GenRM."""

@@ -4,9 +4,15 @@
     r.rollout_for(dp=3)            # world rank of the rollout replica that samples replica 3's prompts
     r.replicas_of_rollout(world)   # trainer replicas a rollout rank serves (how many messages to expect)
 
+    Routes(plan, RoleSplit(rollout=1, next_rollout=2))   # a dynamic split's routes for one step
+
 Every rank computes the same routes from the same plan, so message counts are known in advance
 and no termination protocol is needed. Trainer replica d is served by rollout replica d mod R and
 GenRM replica d mod G; the batch owner is the replica's tensor-parallel rank 0.
+
+With a dynamic split (`placement.dynamic_split`) the rollout and GenRM ranks form one pool: the
+step's `RoleSplit` gives its first `rollout` ranks the rollout role and the rest GenRM (moving the
+boundary by one switches one rank). Weights go to the ranks that generate in the *next* step.
 """
 from __future__ import annotations
 
@@ -16,8 +22,23 @@ from yatt_hpc.placement import Plan
 
 
 @dataclass(frozen=True)
+class RoleSplit:
+    """How many pool ranks serve rollout in this step and in the next one (the rest serve GenRM)."""
+
+    rollout: int
+    next_rollout: int
+
+
+@dataclass(frozen=True)
 class Routes:
     plan: Plan
+    split: RoleSplit | None = None  # None: the plan's groups serve their own role every step
+
+    def __post_init__(self) -> None:
+        if self.split is not None:
+            pool = len(self.plan.pool_ranks)
+            assert self.plan.dynamic_split, "a RoleSplit needs placement.dynamic_split"
+            assert 0 < self.split.rollout < pool and 0 < self.split.next_rollout < pool, (self.split, pool)
 
     @property
     def dp(self) -> int:
@@ -34,14 +55,24 @@ class Routes:
         return t.coords(world_rank - t.rank_start)
 
     def rollout_ranks(self) -> list[int]:
-        """World ranks serving rollout (the plan's rollout group; one place to change for a role split)."""
+        """World ranks serving rollout this step (the plan's rollout group, or the split's first pool ranks)."""
+        if self.split is not None:
+            return list(self.plan.pool_ranks[: self.split.rollout])
         r = self.plan.group("rollout")
         return list(range(r.rank_start, r.rank_stop))
 
     def genrm_ranks(self) -> list[int]:
-        """World ranks serving GenRM scoring."""
+        """World ranks serving GenRM scoring this step."""
+        if self.split is not None:
+            return list(self.plan.pool_ranks[self.split.rollout:])
         g = self.plan.group("genrm")
         return list(range(g.rank_start, g.rank_stop))
+
+    def next_rollout_ranks(self) -> list[int]:
+        """World ranks that generate in the next step: the ones this step's weight sync updates."""
+        if self.split is not None:
+            return list(self.plan.pool_ranks[: self.split.next_rollout])
+        return self.rollout_ranks()
 
     def rollout_for(self, dp: int) -> int:
         ranks = self.rollout_ranks()
@@ -58,8 +89,8 @@ class Routes:
         return [d for d in range(self.dp) if self.genrm_for(d) == world_rank]
 
     def weight_source_for(self, rollout_world_rank: int) -> int:
-        """Trainer replica whose TP-rank-0 sends fresh weights to this rollout rank (spreads the sends)."""
-        return self.rollout_ranks().index(rollout_world_rank) % self.dp
+        """Trainer replica whose TP-rank-0 sends fresh weights to this (next step's) rollout rank."""
+        return self.next_rollout_ranks().index(rollout_world_rank) % self.dp
 
     def weight_targets_of(self, dp: int) -> list[int]:
-        return [w for w in self.rollout_ranks() if self.weight_source_for(w) == dp]
+        return [w for w in self.next_rollout_ranks() if self.weight_source_for(w) == dp]

@@ -47,6 +47,10 @@ def build_controller(world, cfg, run_dir: Path, stats):
         from yatt_hpc.control.trainer_ctl import TrainerController
 
         return TrainerController(world, cfg, run_dir, stats)
+    if world.plan.dynamic_split:  # rollout and GenRM ranks form one pool; each step says who does what
+        from yatt_hpc.control.pool_ctl import PoolController
+
+        return PoolController(world, cfg, stats)
     if world.group == "rollout":
         from yatt_hpc.control.rollout_ctl import RolloutController
 

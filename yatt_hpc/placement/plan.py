@@ -81,6 +81,12 @@ class GroupPlan:
 class Plan:
     mode: str
     groups: tuple[GroupPlan, ...]
+    dynamic_split: bool = False  # rollout + genrm ranks are one engine pool, re-split every step
+
+    @property
+    def pool_ranks(self) -> range:
+        """World ranks of the engine pool of a dynamic split: the rollout group, then the GenRM group."""
+        return range(self.group("rollout").rank_start, self.group("genrm").rank_stop)
 
     @property
     def world_size(self) -> int:
@@ -120,6 +126,7 @@ def plan(cfg: RunConfig) -> Plan:
     for name in ("rollout", "genrm"):
         layouts[name] = _engine_layout(name, sections[name])
     _check_shared_nodes(pc.mode, sections)
+    _check_dynamic_split(cfg)
     _check_batch(cfg, layouts["trainer"])
     kind = "het_component" if pc.mode == "disjoint" else "shared_allocation"
     groups, start = [], 0
@@ -128,7 +135,7 @@ def plan(cfg: RunConfig) -> Plan:
         groups.append(GroupPlan(name, gp.nodes, gp.tasks_per_node, gp.devices_per_task, gp.cpus_per_task,
                                 gp.mem, layouts[name], start, SlurmShape(kind, index)))
         start += gp.nodes * gp.tasks_per_node
-    return Plan(pc.mode, tuple(groups))
+    return Plan(pc.mode, tuple(groups), dynamic_split=pc.dynamic_split.enabled)
 
 
 def _trainer_layout(gp: GroupPlacement) -> tuple[tuple[str, int], ...]:
@@ -188,6 +195,29 @@ def _check_shared_nodes(mode: str, sections: dict[str, GroupPlacement]) -> None:
         raise PlanError("placement.mode=partial: rollout and GenRM split the trainer's devices, but "
                         f"rollout {dev['rollout']} + genrm {dev['genrm']} != trainer {dev['trainer']} devices per "
                         "node; adjust placement.rollout/genrm tasks_per_node or devices_per_task")
+
+
+def _check_dynamic_split(cfg: RunConfig) -> None:
+    pc, f = cfg.placement, "placement.dynamic_split"
+    if not pc.dynamic_split.enabled:
+        return
+    if pc.mode != "partial":
+        raise PlanError(f"{f}.enabled=true needs placement.mode=partial (rollout and GenRM sharing the devices), "
+                        f"got placement.mode={pc.mode}; set placement.mode=partial or {f}.enabled=false")
+    # any pool rank may serve either role: both must be the same kind of engine replica
+    for key in ("devices_per_task", "tp", "pp", "cpus_per_task"):
+        r, g = getattr(pc.rollout, key), getattr(pc.genrm, key)
+        if r != g:
+            raise PlanError(f"{f}: a pool rank serves rollout or GenRM, so both need the same replica shape, but "
+                            f"placement.rollout.{key}={r} != placement.genrm.{key}={g}; set both to the same value "
+                            f"or {f}.enabled=false")
+    low = pc.dynamic_split.min_replicas
+    for name in ("rollout", "genrm"):
+        tasks = getattr(pc, name).nodes * getattr(pc, name).tasks_per_node
+        if tasks < low:
+            raise PlanError(f"{f}.min_replicas={low} but placement.{name} starts with {tasks} replicas (the first "
+                            f"step's split); set placement.{name}.tasks_per_node to at least {low} or lower "
+                            f"{f}.min_replicas")
 
 
 def _check_batch(cfg: RunConfig, trainer_layout: tuple[tuple[str, int], ...]) -> None:

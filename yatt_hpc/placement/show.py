@@ -27,6 +27,10 @@ def plan_table(p: Plan) -> Table:
 def print_plan(p: Plan, run_dir: str, console: Console, python: str = "python3") -> None:
     console.print(plan_table(p))
     console.print("leader (decisions only): world rank 0 = trainer rank 0")
+    if p.dynamic_split:
+        pool, first = p.pool_ranks, p.group("rollout").tasks
+        console.print(f"dynamic split: ranks {pool.start}-{pool.stop - 1} are one engine pool, re-split by load every "
+                      f"step (step 1: {first} rollout, {len(pool) - first} GenRM)")
     console.print("\nlocal launch (yatt-hpc run, no Slurm):")
     console.print(render(local_launch(p, run_dir, python=python)), markup=False, highlight=False, soft_wrap=True)
     console.print("\nSlurm launch (inside the allocation):")
