@@ -69,6 +69,13 @@ def test_over_dispatch_loses_and_repeats_no_prompt(mpirun, tiny_models, tmp_path
             assert r["rollout/returned_prompts"] == 4
             assert r["rollout/reused_prompts"] == (0 if i == 0 else 4)
     consumed, queued = assert_every_position_consumed_once_or_queued(tmp_path)
+    if mode == "partial":
+        # one rollout rank generates in sample-id order, so each replica's lowest groups are scored
+        # first: over-dispatch keeps exactly what ratio 1.0 would, step by step
+        for dp in range(DP):
+            lines = (tmp_path / "data" / f"consumed-dp{dp}.jsonl").read_text().splitlines()
+            per_step = [json.loads(line)["positions"] for line in lines]
+            assert per_step == [[(4 * i + j) * DP + dp for j in range(4)] for i in range(STEPS)]
     assert len(consumed) == sum(r["data/prompts_consumed"] for r in rows)
     assert waves or len(queued) == 4
     acc = EventAccumulator(str(tmp_path / "tb"))
