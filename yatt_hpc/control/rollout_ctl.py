@@ -47,7 +47,6 @@ class RolloutController(BaseController):
         self.world, self.cfg, self.stats = world, cfg, stats
         self.routes = Routes(world.plan)
         self.colocate = world.plan.mode == "colocate"
-        self.prompt_messages = expected_prompt_messages(cfg.rollout.routing, self.routes, world.rank)
         self.handshake = cfg.rollout.over_dispatch_ratio > 1.0  # STOP/END with GenRM (over-dispatch)
         self.gate = PhaseGate(world.comm, enabled=self.colocate)
         device = "cuda" if world.plan.group("rollout").devices_per_task else "cpu"
@@ -55,8 +54,7 @@ class RolloutController(BaseController):
                                    tp_size=world.plan.group("rollout").size("tp"), seed=cfg.train.seed)
         if self.colocate:
             self.engine.release_memory()  # the trainer builds first; the engine wakes for its phase
-        log.info("rollout rank expects %d prompt messages per wave (%s routing)", self.prompt_messages,
-                 cfg.rollout.routing)
+        log.info("rollout rank ready (%s routing)", cfg.rollout.routing)
 
     def step(self, step: int) -> None:
         while True:  # one wave without dynamic sampling; the trainers decide whether another follows
@@ -67,8 +65,8 @@ class RolloutController(BaseController):
 
     def wave(self) -> int:
         """Receive this wave's prompt messages, generate whole groups in chunks, stream them to GenRM."""
-        incoming = []
-        for _ in range(self.prompt_messages):
+        incoming = []  # counted per wave from the routes: they may change between steps
+        for _ in range(expected_prompt_messages(self.cfg.rollout.routing, self.routes, self.world.rank)):
             batch, _ = recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_PROMPTS)
             self.stats.hold(len(batch))
             incoming.append(batch)
