@@ -116,9 +116,18 @@ class RolloutConfig(Section):
     """Size of one trainer -> rollout weight-sync bucket in MiB."""
     stream_chunk: int = Field(8, ge=1)
     """In `partial` and `disjoint` placement, samples are generated and streamed to GenRM in chunks
-    of this many, so scoring overlaps generation (`colocate` sends each replica's batch whole)."""
+    of this many, rounded down to whole prompt groups (at least one), so scoring overlaps generation
+    (`colocate` sends each replica's batch whole)."""
     stream_queue: int = Field(4, ge=1)
     """Chunks a rollout rank may have in flight to GenRM before it waits (backpressure)."""
+    over_dispatch_ratio: float = Field(1.0, ge=1.0, le=4.0)
+    """Long-tail control: a replica that needs k prompt groups dispatches ceil(k x ratio); once k are
+    scored the stragglers are aborted and their prompts go back to the front of the replica's queue
+    (each prompt is still consumed once). 1.0 turns it off. Above 1.0 which prompts make a step
+    depends on timing, so a resumed run is not bitwise identical to an uninterrupted one."""
+    routing: Literal["static", "least_loaded"] = "static"
+    """Which rollout rank generates a prompt group: `static` (trainer replica d to rollout rank d mod R)
+    or `least_loaded` (per wave, every group to the least-loaded rollout rank by estimated tokens)."""
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     """Dynamic sampling (off by default)."""
 

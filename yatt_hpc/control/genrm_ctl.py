@@ -15,18 +15,23 @@ from mpi4py import MPI
 
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.control.controller import BaseController
+from yatt_hpc.control.overdispatch import ReplicaWave
 from yatt_hpc.control.phases import PhaseGate
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.routing import Routes
 from yatt_hpc.control.wire import (
     TAG_COUNT,
+    TAG_END,
     TAG_SAMPLES,
     TAG_SCORED,
+    TAG_STOP,
     SampleBatch,
     StreamSender,
     agree_more,
     recv_batch,
-    wait_for_message,
+    recv_ints,
+    send_ints,
+    wait_for_any,
 )
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.reward.genrm import GenRMJudge, combine_reward
@@ -41,6 +46,7 @@ class GenRMController(BaseController):
         self.routes = Routes(world.plan)
         self.colocate = world.plan.mode == "colocate"
         self.gate = PhaseGate(world.comm, enabled=self.colocate)
+        self.handshake = cfg.rollout.over_dispatch_ratio > 1.0  # STOP/END with the rollout ranks (overdispatch)
         self.policy_tokenizer = load_tokenizer(cfg.model.path)
         rc = cfg.reward
         self.judge = None
@@ -64,41 +70,61 @@ class GenRMController(BaseController):
                 break
 
     def wave(self) -> None:
-        """Score chunks as they arrive; hand each replica its samples once all of them are scored."""
+        """Score chunks as they arrive; hand each replica its kept groups once enough are scored."""
         sender = StreamSender(self.world.comm, max_inflight=len(self.replicas) + 1)
         self.gate.cross("generated")
         if self.colocate and self.judge is not None:
             with self.stats.phase("resume"):
                 self.judge.resume_memory()
-        waiting = {}
-        for d in self.replicas:  # each served replica says how many samples this wave brings
-            owner, count = self.routes.trainer_owner(d), np.zeros(1, np.int64)
-            wait_for_message(self.world.comm, owner, TAG_COUNT)
-            self.world.comm.Recv(count, source=owner, tag=TAG_COUNT)
-            waiting[owner] = int(count[0])
-        scored_by_owner: dict[int, list[SampleBatch]] = {owner: [] for owner in waiting}
-        for owner in [o for o, n in waiting.items() if n == 0]:
-            sender.send(owner, TAG_SCORED, SampleBatch())
-            del waiting[owner]
-        while waiting:
-            batch, _ = recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES)
-            self.stats.hold(len(batch))
-            with self.stats.phase("reward"):
-                scored = self.score(batch.sorted_by_id())
-            owner = int(scored.owner[0])
-            scored_by_owner[owner].append(scored)
-            waiting[owner] -= len(scored)
-            if waiting[owner] == 0:
-                done = SampleBatch.concat(scored_by_owner.pop(owner)).sorted_by_id()
-                sender.send(owner, TAG_SCORED, done)
-                self.stats.hold(-len(done))
-                self.stats.add("scored", len(done))
-                del waiting[owner]
+        waves: dict[int, ReplicaWave] = {}
+        for d in self.replicas:  # each served replica says what this wave brings: groups to keep, from where
+            owner = self.routes.trainer_owner(d)
+            msg, _ = recv_ints(self.world.comm, owner, TAG_COUNT)
+            waves[owner] = ReplicaWave(keep=int(msg[0]), n=self.cfg.rollout.samples_per_prompt,
+                                       expected={int(r): int(c) for r, c in zip(msg[1::2], msg[2::2])},
+                                       handshake=self.handshake)
+        parts: dict[int, list[SampleBatch]] = {owner: [] for owner in waves}
+        for owner in waves:
+            self.advance(owner, waves[owner], parts[owner], sender)
+        while not all(w.finished for w in waves.values()):
+            if wait_for_any(self.world.comm, [TAG_SAMPLES, TAG_END]) == TAG_END:
+                (owner, sent, _), source = recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_END)
+                waves[int(owner)].on_end(source, int(sent))
+                continue
+            batch, source = recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES)
+            owner = int(batch.owner[0])
+            if waves[owner].on_samples(source, len(batch)):
+                wanted = waves[owner].wanted(batch.prompt_id)  # never score more groups than the target needs
+                self.stats.add("unused", len(batch) - len(wanted))
+                batch = batch.select(wanted)
+                self.stats.hold(len(batch))
+                with self.stats.phase("reward"):
+                    scored = self.score(batch.sorted_by_id())
+                self.stats.add("scored", len(scored))
+                parts[owner].append(scored)
+                waves[owner].on_scored(np.unique(scored.prompt_id))
+                self.advance(owner, waves[owner], parts[owner], sender)
+            else:  # a straggler of a replica whose target is met: dropped unscored, its prompt is reused
+                self.stats.add("unused", len(batch))
         if self.colocate and self.judge is not None:
             with self.stats.phase("release"):
                 self.judge.release_memory()
         self.gate.cross("scored")
         sender.drain()
+
+    def advance(self, owner: int, wave: ReplicaWave, parts: list[SampleBatch], sender: StreamSender) -> None:
+        """Once the target is met: STOP to the rollout ranks holding the rest, kept groups to the owner."""
+        if wave.should_stop():
+            for rank in wave.stop_targets():
+                send_ints(self.world.comm, rank, TAG_STOP, [owner])
+        if wave.target_reached and not wave.delivered:
+            wave.delivered = True
+            scored = SampleBatch.concat(parts)
+            done = scored.select(np.flatnonzero(np.isin(scored.prompt_id, wave.kept()))).sorted_by_id()
+            sender.send(owner, TAG_SCORED, done)
+            self.stats.hold(-len(scored))
+            self.stats.add("unused", len(scored) - len(done))
+            parts.clear()
 
     def score(self, batch: SampleBatch) -> SampleBatch:
         rc = self.cfg.reward

@@ -9,24 +9,31 @@ and never sees a sample it is not generating. See `trainer_ctl` for the whole da
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 from mpi4py import MPI
 
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.control.controller import BaseController
+from yatt_hpc.control.overdispatch import RolloutWork
 from yatt_hpc.control.phases import PhaseGate
+from yatt_hpc.control.prompt_routing import expected_prompt_messages
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.routing import Routes
 from yatt_hpc.control.weight_sync import recv_weights
 from yatt_hpc.control.wire import (
+    TAG_END,
     TAG_PROMPTS,
     TAG_SAMPLES,
+    TAG_STOP,
     TAG_WEIGHTS,
     SampleBatch,
     StreamSender,
     agree_more,
     recv_batch,
+    recv_ints,
+    send_ints,
     wait_for_message,
 )
 from yatt_hpc.rollout import GenerationRequest, build_engine
@@ -40,13 +47,14 @@ class RolloutController(BaseController):
         self.world, self.cfg, self.stats = world, cfg, stats
         self.routes = Routes(world.plan)
         self.colocate = world.plan.mode == "colocate"
+        self.handshake = cfg.rollout.over_dispatch_ratio > 1.0  # STOP/END with GenRM (over-dispatch)
         self.gate = PhaseGate(world.comm, enabled=self.colocate)
         device = "cuda" if world.plan.group("rollout").devices_per_task else "cpu"
         self.engine = build_engine(cfg.rollout.engine, cfg.model.path, device=device,
                                    tp_size=world.plan.group("rollout").size("tp"), seed=cfg.train.seed)
         if self.colocate:
             self.engine.release_memory()  # the trainer builds first; the engine wakes for its phase
-        log.info("rollout rank serves trainer replicas %s", self.replicas)
+        log.info("rollout rank ready (%s routing)", cfg.rollout.routing)
 
     @property
     def replicas(self) -> list[int]:
@@ -64,9 +72,9 @@ class RolloutController(BaseController):
                 break
 
     def wave(self) -> int:
-        """Receive one (possibly empty) prompt batch per served replica, generate, stream to GenRM."""
-        incoming = []
-        for _ in self.replicas:
+        """Receive this wave's prompt messages, generate whole groups in chunks, stream them to GenRM."""
+        incoming = []  # counted per wave from the routes: they may change between steps
+        for _ in range(expected_prompt_messages(self.cfg.rollout.routing, self.routes, self.world.rank)):
             batch, _ = recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_PROMPTS)
             self.stats.hold(len(batch))
             incoming.append(batch)
@@ -74,25 +82,63 @@ class RolloutController(BaseController):
         if self.colocate:
             with self.stats.phase("resume"):
                 self.engine.resume_memory()
-        # colocate: the whole batch, then GenRM takes the devices; otherwise stream chunks so that
-        # scoring overlaps generation (bounded by stream_queue chunks in flight). In colocation every
-        # send must be in flight before the gate, where GenRM starts receiving.
-        chunk = max(len(prompts), 1) if self.colocate else self.cfg.rollout.stream_chunk
-        sender = StreamSender(self.world.comm, len(self.replicas) if self.colocate else self.cfg.rollout.stream_queue)
-        for start in range(0, len(prompts), chunk):
+        # colocate: the whole batch, then GenRM takes the devices; otherwise stream chunks of whole
+        # groups so that scoring overlaps generation (bounded by stream_queue chunks in flight). In
+        # colocation every send must be in flight before the gate, where GenRM starts receiving.
+        n = self.cfg.rollout.samples_per_prompt
+        work = RolloutWork(prompts.owner, prompts.prompt_id,
+                           max(len(prompts), 1) if self.colocate else max(1, self.cfg.rollout.stream_chunk // n))
+        sender = StreamSender(self.world.comm, max(len(work.assigned), 1) if self.colocate else self.cfg.rollout.stream_queue)
+        generated = released = 0
+        while (index := self.next_chunk(work)) is not None:
             with self.stats.phase("rollout"):
-                done = self.generate(prompts.select(np.arange(start, min(start + chunk, len(prompts)))))
+                done = self.generate_watching(prompts.select(index), work)
             for owner in np.unique(done.owner):
+                if int(owner) in work.stopped:  # its target was met while this chunk ran: dropped
+                    continue
                 part = done.select(np.flatnonzero(done.owner == owner))
-                sender.send(self.routes.genrm_for(self.routes.trainer_coords(int(owner))["dp"]), TAG_SAMPLES, part)
-                self.stats.hold(-len(part))
+                sender.send(self.genrm_of(int(owner)), TAG_SAMPLES, part)
+                work.mark_sent(int(owner), len(part))
+                generated += len(part)
+            self.stats.hold(-len(index))
+            released += len(index)
+        self.stats.hold(released - len(prompts))  # groups dropped before they were generated
         if self.colocate:
             with self.stats.phase("release"):
                 self.engine.release_memory()
         self.gate.cross("generated")
         sender.drain()
+        while self.handshake and work.awaiting_stop():  # every replica we worked for says STOP once
+            self.stop_owner(work, int(recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_STOP)[0][0]))
         self.gate.cross("scored")
-        return len(prompts)
+        return generated
+
+    def genrm_of(self, owner: int) -> int:
+        return self.routes.genrm_for(self.routes.trainer_coords(owner)["dp"])
+
+    def next_chunk(self, work: RolloutWork) -> np.ndarray | None:
+        """Take any STOP that arrived (no waiting), then the next chunk of groups still wanted."""
+        while self.handshake and self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STOP):
+            self.stop_owner(work, int(recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_STOP)[0][0]))
+        return work.next_chunk()
+
+    def stop_owner(self, work: RolloutWork, owner: int) -> None:
+        """STOP for a replica: drop what is left of its work and tell its GenRM rank what was sent."""
+        aborted = work.stop(owner)
+        self.stats.add("aborted", aborted)
+        send_ints(self.world.comm, self.genrm_of(owner), TAG_END, [owner, work.sent[owner], aborted])
+
+    def generate_watching(self, chunk: SampleBatch, work: RolloutWork) -> SampleBatch:
+        """Generate a chunk; with over-dispatch, STOPs that arrive meanwhile are taken (and the engine
+        aborted once every replica of the chunk is stopped)."""
+        if not self.handshake or self.colocate:  # colocate: GenRM only starts after the whole wave
+            return self.generate(chunk)
+        owners = {int(o) for o in np.unique(chunk.owner)}
+        done, stops = generate_until_stopped(self.world.comm, self.engine, lambda: self.generate(chunk), owners,
+                                             work.stopped)
+        for owner in stops:
+            self.stop_owner(work, owner)
+        return done
 
     def generate(self, prompts: SampleBatch) -> SampleBatch:
         rc = self.cfg.rollout
@@ -128,3 +174,28 @@ class RolloutController(BaseController):
 
     def after_resume(self, step: int) -> None:
         self.receive_weights()  # the trainer sends its restored weights
+
+
+def generate_until_stopped(comm, engine, generate, owners: set[int], stopped: set[int], poll_s: float = 0.002):
+    """Run `generate()` while a watcher thread takes TAG_STOP messages; once every owner of the chunk
+    is stopped it aborts the engine (repeatedly: an abort acts only once generation runs). Returns
+    (generate's result, owners stopped meanwhile). The main thread makes no MPI call while the engine
+    runs and the watcher none after it, so one thread at a time talks MPI."""
+    stops, finished = [], threading.Event()
+
+    def watch() -> None:
+        while not finished.is_set():
+            while comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STOP):
+                stops.append(int(recv_ints(comm, MPI.ANY_SOURCE, TAG_STOP)[0][0]))
+            if owners <= stopped | set(stops):
+                engine.abort()
+            finished.wait(poll_s)
+
+    watcher = threading.Thread(target=watch, name="stop-watcher", daemon=True)
+    watcher.start()
+    try:
+        done = generate()
+    finally:
+        finished.set()
+        watcher.join()
+    return done, stops

@@ -6,14 +6,17 @@
 Data flow of one step (no driver; every arrow is point-to-point MPI between the ranks involved):
 
     trainer replica d (tp rank 0 owns the shard)
-      | its next k prompts: positions j*dp + d, n copies each            TAG_PROMPTS
-      | (and to its GenRM rank: how many samples to expect)              TAG_COUNT
+      | its next ceil(k x ratio) prompts: returned ones first, then positions j*dp + d,
+      | n copies each, to rollout rank d mod R (or least-loaded, per group)       TAG_PROMPTS
+      | (and to its GenRM rank: groups to keep, samples per rollout rank)         TAG_COUNT
       v
-    rollout rank (d mod R) --- generates, logprobs --->  GenRM rank (d mod G)   TAG_SAMPLES
-                                                            | judge verdict + rule score
-      .-------------------------------------------------------'                TAG_SCORED
+    rollout ranks --- generate whole groups, logprobs --->  GenRM rank (d mod G)   TAG_SAMPLES
+         ^                                                  | judge verdict + rule score
+         '-- ratio > 1: once k groups are scored: STOP -----|  (each answers END)  TAG_STOP/END
+      .-----------------------------------------------------'  the k kept groups   TAG_SCORED
       v
-    trainer replica d: sort by sample id -> broadcast to its TP peers -> group advantages
+    trainer replica d: dispatched but not kept -> front of its queue (overdispatch.py)
+      -> sort by sample id -> broadcast to its TP peers -> group advantages
       -> Megatron forward/backward, DP all-reduce of grads -> AdamW
       -> gather TP shards -> HF names -> buckets ---------> its rollout ranks    TAG_WEIGHTS
 
@@ -39,7 +42,9 @@ from yatt_hpc.control.consumed import ConsumedLog
 from yatt_hpc.control.controller import BaseController
 from yatt_hpc.control.dynamic_sampling import DynamicSampler, has_signal
 from yatt_hpc.control.inputs import InputError
+from yatt_hpc.control.overdispatch import PromptQueue, dispatch_count
 from yatt_hpc.control.phases import PhaseGate
+from yatt_hpc.control.prompt_routing import build_router
 from yatt_hpc.control.rank_stats import RankStats
 from yatt_hpc.control.rebalance import Rebalancer
 from yatt_hpc.control.routing import Routes
@@ -53,6 +58,7 @@ from yatt_hpc.control.wire import (
     bcast_batch,
     recv_batch,
     send_batch,
+    wait_all,
 )
 from yatt_hpc.data.prompts import build_prompt_source
 from yatt_hpc.data.tokenizer import load_tokenizer
@@ -79,7 +85,11 @@ class TrainerController(BaseController):
         ds = cfg.rollout.dynamic_sampling
         self.dynamic = ds.enabled
         self.sampler = DynamicSampler(self.per_replica, ds.oversampling, ds.ema_decay, ds.ema_cap, ds.max_refill_waves)
-        self.next_index = 0  # prompts this replica has dispatched so far (its data position)
+        self.queue = PromptQueue(stride=self.routes.dp, offset=self.dp_rank)  # this replica's data position
+        self.ratio = cfg.rollout.over_dispatch_ratio
+        self.router = build_router(cfg.rollout.routing, self.routes, self.owners_comm, self.dp_rank)
+        self.expected_response = cfg.rollout.max_new_tokens / 2  # routing's load estimate, updated per wave
+        self._count_send: tuple[list, np.ndarray | None] = ([], None)  # the TAG_COUNT in flight, its buffer
         self.gate = PhaseGate(world.comm, enabled=world.plan.mode == "colocate")
         self.consumed = ConsumedLog(run_dir / "data" / f"consumed-dp{self.dp_rank}.jsonl", enabled=self.is_owner)
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -142,10 +152,11 @@ class TrainerController(BaseController):
         """Waves of prompts until this replica has its groups (one wave without dynamic sampling)."""
         ask, scored = self.sampler.first_wave(), []
         while True:
-            self.dispatch_prompts(step, ask)
+            dispatched = self.dispatch_prompts(ask)
             self.gate.cross("generated")
             self.gate.cross("scored")
             wave = self.collect_scored()
+            self.settle(step, dispatched, wave)
             scored.append(wave)
             groups = np.unique(wave.prompt_id)
             valid = [g for g in groups if has_signal(wave.reward[wave.prompt_id == g])]
@@ -188,14 +199,9 @@ class TrainerController(BaseController):
         ds.end_step(mean)
         self.stats.values["ema_expansion"] = ds.ema_expansion
 
-    def next_positions(self, count: int) -> np.ndarray:
-        """The next `count` global prompt positions of this replica's stream: j*dp + d for j = 0, 1, ..."""
-        index = np.arange(self.next_index, self.next_index + count, dtype=np.int64)
-        self.next_index += count
-        return index * self.routes.dp + self.dp_rank
-
-    def dispatch_prompts(self, step: int, count: int) -> None:
-        positions = self.next_positions(count)
+    def dispatch_prompts(self, keep: int) -> dict[int, int]:
+        """Send ceil(keep x ratio) prompt groups to the rollout ranks; returns {position: row id} sent."""
+        positions, reused = self.queue.take(dispatch_count(keep, self.ratio))
         rows = [self.source.row_at(int(p)) for p in positions]
         prompts = [np.asarray(self.tokenizer.encode(r["prompt"]), np.int32) for r in rows]
         answers = [np.frombuffer(r["answer"].encode(), np.uint8) for r in rows]
@@ -209,20 +215,41 @@ class TrainerController(BaseController):
             answer_len=np.array([len(answers[i]) for i in rep], np.int32),
             answer=np.concatenate([answers[i] for i in rep]) if rows else np.zeros(0, np.uint8),
         )
+        groups_to = self.router.assign([self.n * (len(p) + self.expected_response) for p in prompts])
+        rank_of = np.repeat(np.asarray(groups_to, np.int64), self.n)
         self.stats.hold(len(batch))
-        # GenRM learns how many samples of ours to expect this wave; the rollout rank gets the prompts
-        self.world.comm.Send(np.array([len(batch)], np.int64), dest=self.routes.genrm_for(self.dp_rank), tag=TAG_COUNT)
-        send_batch(self.world.comm, self.routes.rollout_for(self.dp_rank), TAG_PROMPTS, batch)
-        self.stats.hold(-len(batch))  # sent: the samples now live on the rollout rank
-        self.stats.add("prompts_consumed", len(rows))
-        if rows:
-            self.consumed.record(step, positions, [r["id"] for r in rows])
+        # GenRM learns how many groups to keep and how many samples each rollout rank got (it may
+        # receive only after a phase gate: non-blocking); every destination gets one message
+        counts = [(r, int((rank_of == r).sum())) for r in self.router.destinations()]
+        header = np.array([keep] + [x for r, c in counts if c for x in (r, c)], np.int64)
+        self._count_send = ([self.world.comm.Isend(header, dest=self.routes.genrm_for(self.dp_rank), tag=TAG_COUNT)], header)
+        for r, _ in counts:
+            send_batch(self.world.comm, r, TAG_PROMPTS, batch.select(np.flatnonzero(rank_of == r)))
+        self.stats.hold(-len(batch))  # sent: the samples now live on the rollout ranks
+        self.stats.add("reused_prompts", reused)
+        self.stats.values["route_spread"] = max(self.stats.values.get("route_spread", 1.0), self.router.spread)
+        return {int(p): int(r["id"]) for p, r in zip(positions, rows)}
 
     def collect_scored(self) -> SampleBatch:
+        wait_all(self._count_send[0])
         batch, _ = recv_batch(self.world.comm, self.routes.genrm_for(self.dp_rank), TAG_SCORED)
         self.stats.hold(len(batch))
+        if len(batch):
+            self.expected_response = 0.5 * self.expected_response + 0.5 * float(batch.response_len.mean())
         # message arrival order must never change the math: order by sample id
         return batch.sorted_by_id()
+
+    def settle(self, step: int, dispatched: dict[int, int], wave: SampleBatch) -> None:
+        """The kept groups are consumed (trained on or filtered); the rest go back to the queue's front."""
+        kept = [int(p) for p in np.unique(wave.prompt_id)]
+        assert len(wave) == len(kept) * self.n and set(kept) <= dispatched.keys(), "GenRM returned a group we did not send"
+        assert len(np.unique(wave.sample_id)) == len(wave), "a sample came back twice"
+        returned = sorted(dispatched.keys() - set(kept))
+        self.queue.give_back(returned)
+        self.stats.add("returned_prompts", len(returned))
+        self.stats.add("prompts_consumed", len(kept))
+        if kept:
+            self.consumed.record(step, kept, [dispatched[p] for p in kept])
 
     def _build_balancer(self):
         if not self.is_owner or self.cfg.train.balance == "none" or self.routes.dp == 1:
@@ -269,11 +296,13 @@ class TrainerController(BaseController):
         if self.dp_rank == 0:
             params = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
         optim, meta = optimizer_tensors(self.policy.optimizer, model.named_parameters())
-        position = {"next_index": self.next_index, "stride": self.routes.dp, "offset": self.dp_rank,
+        position = {"next_index": self.queue.next_index, "stride": self.routes.dp, "offset": self.dp_rank,
+                    "returned": np.array(list(self.queue.returned), np.int64),  # prompts to dispatch first
                     "step": step, "world_rank": self.world.rank}
         return RankState(self.identity, {"dp": self.dp_rank, "tp": self.tp_rank, "pp": 0}, model=params,
                          optim=optim, optim_meta=meta, rng=capture_rng(), data_position=position,
-                         extra={"sampling": self.sampler.state()})
+                         extra={"sampling": self.sampler.state(),
+                                "routing": {"expected_response": float(self.expected_response)}})
 
     def restore(self, restored) -> None:
         from yatt_hpc.train.megatron_model import load_megatron_shard
@@ -286,8 +315,9 @@ class TrainerController(BaseController):
             raise InputError(f"checkpoint step-{restored.step} of {self.identity} has no data position in this "
                              "version's format (written by an older yatt-hpc); start a fresh --run-dir, or use "
                              "checkpoint.load_from to take only its weights")
-        self.next_index = int(restored.data_position["next_index"])
+        self.queue.load_state(restored.data_position["next_index"], restored.data_position.get("returned", ()))
         self.sampler.load_state(restored.extra["sampling"])
+        self.expected_response = float(restored.extra.get("routing", {}).get("expected_response", self.expected_response))
 
     def rewind_logs(self, step: int) -> None:
         self.consumed.truncate(step)

@@ -25,7 +25,9 @@ TAG_PROMPTS = 11  # trainer -> rollout: prompts to sample
 TAG_SAMPLES = 12  # rollout -> genrm: generated samples to score
 TAG_SCORED = 13  # genrm -> trainer: scored samples
 TAG_WEIGHTS = 14  # trainer -> rollout: weight buckets
-TAG_COUNT = 16  # trainer -> genrm: samples to expect from this replica in the current wave
+TAG_COUNT = 16  # trainer -> genrm: groups to keep, then (rollout rank, samples) pairs of this wave
+TAG_STOP = 17  # genrm -> rollout: [owner] target met, drop that replica's remaining work (over-dispatch)
+TAG_END = 18  # rollout -> genrm: [owner, samples sent, samples aborted], the answer to one TAG_STOP
 
 RAGGED = ("prompt_tokens", "response_tokens", "logprobs", "answer")
 
@@ -203,6 +205,32 @@ def wait_for_message(comm, source: int, tag: int, status=None, poll_s: float = 0
     status = status if status is not None else MPI.Status()
     delay = 0.0
     while not comm.Iprobe(source=source, tag=tag, status=status):
+        if delay:
+            time.sleep(delay)
+        delay = min(poll_s, delay + 0.00005)
+
+
+def send_ints(comm, dest: int, tag: int, values) -> None:
+    """A small control message (a few int64); eager, so a blocking send never waits on the receiver."""
+    comm.Send(np.asarray(values, dtype=np.int64), dest=dest, tag=tag)
+
+
+def recv_ints(comm, source: int, tag: int, poll_s: float = 0.002) -> tuple[np.ndarray, int]:
+    """Receive one `send_ints` message of any length; returns it with the sender's rank."""
+    status = MPI.Status()
+    wait_for_message(comm, source, tag, status, poll_s)
+    out = np.empty(status.Get_count(MPI.INT64_T), dtype=np.int64)
+    comm.Recv(out, source=status.Get_source(), tag=tag)
+    return out, status.Get_source()
+
+
+def wait_for_any(comm, tags: list[int], poll_s: float = 0.002) -> int:
+    """Block until a message with one of `tags` (from anyone) is pending; returns that tag."""
+    delay = 0.0
+    while True:
+        for tag in tags:
+            if comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag):
+                return tag
         if delay:
             time.sleep(delay)
         delay = min(poll_s, delay + 0.00005)
