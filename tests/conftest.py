@@ -61,3 +61,21 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     from yatt_hpc.data.tiny_models import save_random_pair
 
     return save_random_pair(tmp_path_factory.mktemp("tiny_models"), n_embd=32, n_positions=64)
+
+
+@pytest.fixture(scope="module")
+def one_rank_world():
+    """TP=1 Megatron process group (gloo on CPU, NCCL with CUDA) on a free local port; megatron's
+    globals are torn down afterwards. Yields the tensor-parallel group."""
+    import socket
+
+    from megatron.core import parallel_state
+
+    from yatt_hpc.train import megatron_model as mm
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mm.initialize_model_parallel(0, 1, "127.0.0.1", port, tp_size=1, seed=0)
+    yield parallel_state.get_tensor_model_parallel_group()
+    mm.destroy_model_parallel()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -33,16 +32,9 @@ MIB = 2**20
 
 
 @pytest.fixture(scope="module")
-def nccl_world():
-    from yatt_hpc.train import megatron_model as mm
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mm.initialize_model_parallel(0, 1, "127.0.0.1", port, tp_size=1, seed=0)
-    assert torch.distributed.get_backend() == "nccl"
-    yield
-    mm.destroy_model_parallel()
+def nccl_world(one_rank_world):
+    assert torch.distributed.get_backend() == "nccl"  # the shared one-rank world, on CUDA
+    return one_rank_world
 
 
 @pytest.mark.parametrize("case", list(TINY_CASES))

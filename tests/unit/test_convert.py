@@ -6,8 +6,6 @@ Real torch, real megatron-core, real gloo; the TP=2 counterpart is tests/mpi/tes
 """
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -18,21 +16,6 @@ from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 
 CASES = [pytest.param(name, id=name) for name in TINY_CASES]
 TOLERANCE = 1e-5
-
-
-@pytest.fixture(scope="module")
-def one_rank_world():
-    """TP=1 process group on a free local port; megatron's globals are torn down afterwards."""
-    from megatron.core import parallel_state
-
-    from yatt_hpc.train import megatron_model as mm
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mm.initialize_model_parallel(0, 1, "127.0.0.1", port, tp_size=1, seed=0)
-    yield parallel_state.get_tensor_model_parallel_group()
-    mm.destroy_model_parallel()
 
 
 def _megatron_twin(hf_model):
