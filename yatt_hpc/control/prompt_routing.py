@@ -1,7 +1,8 @@
 """Which rollout rank generates which prompt group of a wave (`rollout.routing`).
 
-    router = build_router(cfg.rollout.routing, routes, owners_comm, dp_rank)   # trainer owners
-    ranks = router.assign(group_loads)        # world rank per group of this replica (collective for least_loaded)
+    router = build_router(cfg.rollout.routing, owners_comm, dp_rank)   # trainer owners
+    ranks = router.assign(routes, group_loads)  # world rank per group of this replica (collective for least_loaded)
+    router.destinations(routes)               # rollout ranks that get one prompt message (maybe empty)
     router.spread                             # max/mean load over rollout ranks of the last wave (1.0 = even)
     expected_prompt_messages(kind, routes, world_rank)   # what a rollout rank waits for per wave
 
@@ -11,6 +12,7 @@ each computes the same longest-processing-time assignment over all groups of all
 group to the least-loaded rollout rank; a group (the n samples of one prompt) is never split.
 Each owner then sends one (maybe empty) prompt message to every rollout rank, so message counts
 stay known in advance. The load of a group is n x (prompt length + expected response length).
+Routers take the step's `Routes` on every call and keep none: a dynamic split changes them per step.
 """
 from __future__ import annotations
 
@@ -51,39 +53,39 @@ def spread(totals: np.ndarray) -> float:
 
 
 class StaticRouter:
-    def __init__(self, routes: Routes, dp_rank: int):
-        self.routes, self.dp_rank, self.spread = routes, dp_rank, 1.0
+    def __init__(self, dp_rank: int):
+        self.dp_rank, self.spread = dp_rank, 1.0
 
-    def assign(self, group_loads: Sequence[float]) -> list[int]:
-        return [self.routes.rollout_for(self.dp_rank)] * len(group_loads)
+    def assign(self, routes: Routes, group_loads: Sequence[float]) -> list[int]:
+        return [routes.rollout_for(self.dp_rank)] * len(group_loads)
 
-    def destinations(self) -> list[int]:
+    def destinations(self, routes: Routes) -> list[int]:
         """Rollout ranks that get a prompt message (maybe empty) from this replica every wave."""
-        return [self.routes.rollout_for(self.dp_rank)]
+        return [routes.rollout_for(self.dp_rank)]
 
 
 class LeastLoadedRouter(StaticRouter):
-    def __init__(self, routes: Routes, dp_rank: int, owners_comm):
-        super().__init__(routes, dp_rank)
+    def __init__(self, dp_rank: int, owners_comm):
+        super().__init__(dp_rank)
         self.owners_comm = owners_comm
 
-    def assign(self, group_loads: Sequence[float]) -> list[int]:
+    def assign(self, routes: Routes, group_loads: Sequence[float]) -> list[int]:
         gathered = dict(self.owners_comm.allgather((self.dp_rank, [float(w) for w in group_loads])))
-        loads = [gathered[d] for d in range(self.routes.dp)]
-        ranks = self.routes.rollout_ranks()
+        loads = [gathered[d] for d in range(routes.dp)]
+        ranks = routes.rollout_ranks()
         assignment = assign_least_loaded(loads, len(ranks))
         self.spread = spread(rank_loads(loads, assignment, len(ranks)))
         return [ranks[i] for i in assignment[self.dp_rank]]
 
-    def destinations(self) -> list[int]:
-        return self.routes.rollout_ranks()
+    def destinations(self, routes: Routes) -> list[int]:
+        return routes.rollout_ranks()
 
 
-def build_router(kind: str, routes: Routes, owners_comm, dp_rank: int) -> StaticRouter:
+def build_router(kind: str, owners_comm, dp_rank: int) -> StaticRouter:
     if kind == "least_loaded":
-        return LeastLoadedRouter(routes, dp_rank, owners_comm)
+        return LeastLoadedRouter(dp_rank, owners_comm)
     assert kind == "static", kind
-    return StaticRouter(routes, dp_rank)
+    return StaticRouter(dp_rank)
 
 
 def expected_prompt_messages(kind: str, routes: Routes, world_rank: int) -> int:

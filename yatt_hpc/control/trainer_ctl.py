@@ -87,7 +87,7 @@ class TrainerController(BaseController):
         self.sampler = DynamicSampler(self.per_replica, ds.oversampling, ds.ema_decay, ds.ema_cap, ds.max_refill_waves)
         self.queue = PromptQueue(stride=self.routes.dp, offset=self.dp_rank)  # this replica's data position
         self.ratio = cfg.rollout.over_dispatch_ratio
-        self.router = build_router(cfg.rollout.routing, self.routes, self.owners_comm, self.dp_rank)
+        self.router = build_router(cfg.rollout.routing, self.owners_comm, self.dp_rank)
         self.expected_response = cfg.rollout.max_new_tokens / 2  # routing's load estimate, updated per wave
         self._count_send: tuple[list, np.ndarray | None] = ([], None)  # the TAG_COUNT in flight, its buffer
         self.gate = PhaseGate(world.comm, enabled=world.plan.mode == "colocate")
@@ -215,12 +215,12 @@ class TrainerController(BaseController):
             answer_len=np.array([len(answers[i]) for i in rep], np.int32),
             answer=np.concatenate([answers[i] for i in rep]) if rows else np.zeros(0, np.uint8),
         )
-        groups_to = self.router.assign([self.n * (len(p) + self.expected_response) for p in prompts])
+        groups_to = self.router.assign(self.routes, [self.n * (len(p) + self.expected_response) for p in prompts])
         rank_of = np.repeat(np.asarray(groups_to, np.int64), self.n)
         self.stats.hold(len(batch))
         # GenRM learns how many groups to keep and how many samples each rollout rank got (it may
         # receive only after a phase gate: non-blocking); every destination gets one message
-        counts = [(r, int((rank_of == r).sum())) for r in self.router.destinations()]
+        counts = [(r, int((rank_of == r).sum())) for r in self.router.destinations(self.routes)]
         header = np.array([keep] + [x for r, c in counts if c for x in (r, c)], np.int64)
         self._count_send = ([self.world.comm.Isend(header, dest=self.routes.genrm_for(self.dp_rank), tag=TAG_COUNT)], header)
         for r, _ in counts:
