@@ -143,6 +143,7 @@ def test_requeue_during_a_long_step_gives_it_up_within_the_grace(slurm_cluster, 
     assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
     stop = json.loads(record.read_text())
     assert stop["step"] == 1 and "gave up step 2" in stop["abandoned"], stop
+    print(f"\nscontrol requeue -> stop record (checkpoint step-1 committed) {took:.2f}s")
     assert took < 5, f"the stop record came {took:.1f}s after the requeue (KillWait is 5s on the dev cluster)"
     assert restart_count(run_dir, sub.job_id) >= 1
     assert "resumed from checkpoint step 1" in logs(run_dir)

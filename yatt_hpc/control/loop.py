@@ -28,6 +28,7 @@ from yatt_hpc.ckpt import SharedState, should_save
 from yatt_hpc.control.preemption import DEADLINE, NONE, REASONS, SIGNAL, decide_requeue, past_deadline, stop_record_name
 from yatt_hpc.control.stop_watchdog import StepGuard, StepRecord, StopWatchdog
 from yatt_hpc.control.summary import step_scalars
+from yatt_hpc.control.wire import wait_all
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,9 @@ class StepLoop:
                 self.review(step, self.step_seconds, reports)
             step += 1
             if should_save(step, self.cfg.checkpoint.interval, self.cfg.train.steps):
+                # Ranks done early (GenRM, while the trainers train) wait for the rest before saving:
+                # until then their state is still the step start the stop watchdog may save instead.
+                wait_all([self.world.comm.Ibarrier()])
                 self.guard.enter_mutation()
                 self.save(step)
                 last_saved = step
@@ -136,9 +140,12 @@ class StepLoop:
     def abandon(self, record: StepRecord, waited: float) -> None:
         """The watchdog thread of every rank, the loop parked or still busy in step `record.step`:
         commit checkpoint `record.step` from live weights and the step-start record; say why."""
-        step = record.step
+        step, t0 = record.step, time.perf_counter()
         state = None if record.saved else self.controller.checkpoint_state(step, record.light)
+        t1 = time.perf_counter()
         self.ckpt.commit_now(step, state, SharedState(counters={"step": step}, config_yaml=self.config_yaml))
+        log.info("checkpoint step %d of a given-up step: state taken in %.3fs, written and committed in %.3fs",
+                 step, t1 - t0, time.perf_counter() - t1)
         self.outcome = "stopped"
         if self.world.is_leader:
             self.metrics.close()

@@ -22,8 +22,10 @@ every rank, point to point over a duplicate of the world communicator (polled), 
 into a `StepRecord` when the step begins; parameters and optimizer state change only in the
 optimizer step, which the trainer marks with `enter_mutation` (as the loop does before a boundary
 save). A frozen rank's loop thread parks at its next `enter_mutation`, `begin_step` or `end_step`,
-so a snapshot never races an update. A "no" comes from a trainer already inside its optimizer step:
-then the boundary is close, and the normal path stops there. After an abandon the processes exit
+so a snapshot never races an update. A "no" comes from a trainer already inside its optimizer step
+(the boundary is close: the normal path stops there) or from a rank whose loop is over (`close`
+keeps answering until every rank is there). Ranks that finish a step early wait for the others
+before a periodic save (`StepLoop.run`), so they stay clean meanwhile. After an abandon the processes exit
 without finishing the step; messages of the step still in flight are dropped with the process
 (the launchers treat the exit as a normal stop: see `launch/local.py` and `launch/launcher.py`).
 """
@@ -153,7 +155,13 @@ class StopWatchdog:
         return cls(comm.Dup(), guard, flag, grace_s, abandon, **kw)
 
     def close(self) -> None:
-        """Collective (every rank, after its loop): stop the thread and free the communicator."""
+        """Collective (every rank, after its loop): stop the thread and free the communicator.
+
+        The thread keeps answering until every rank is here: the leader may still be inside the
+        last step, asking, when the others are done (their guards, no longer clean, say no)."""
+        self.guard.enter_mutation()  # waits out a question in progress; nothing to give up any more
+        if self.comm is not None:
+            self._wait([self.comm.Ibarrier()])
         self._closing.set()
         self._thread.join()
         if self.comm is not None:
