@@ -51,8 +51,8 @@ def start_and_interrupt(run_dir, after_steps: int, how: str):
     return proc.returncode, out
 
 
-def final_state(run_dir):
-    weights = load_file(str(run_dir / "checkpoints" / f"step-{K}" / "model-tp0-pp0.safetensors"))
+def final_state(run_dir, steps: int = K):
+    weights = load_file(str(run_dir / "checkpoints" / f"step-{steps}" / "model-tp0-pp0.safetensors"))
     consumed = []
     for dp in (0, 1):
         rows = [json.loads(line) for line in (run_dir / "data" / f"consumed-dp{dp}.jsonl").read_text().splitlines()]
@@ -68,7 +68,7 @@ def straight(mpirun, tmp_path_factory):
     return final_state(run_dir)
 
 
-def assert_same(a, b):
+def assert_same(a, b, prompts: int = K * 8):
     wa, ca = a
     wb, cb = b
     assert wa.keys() == wb.keys()
@@ -76,7 +76,7 @@ def assert_same(a, b):
         assert torch.equal(wa[name], wb[name]), f"{name} differs after resume"
     assert ca == cb, "consumed prompt sequence differs"
     positions = [p for replica in ca for _, ps in replica for p in ps]
-    assert len(positions) == len(set(positions)) == K * 8, "a prompt was lost or repeated"
+    assert len(positions) == len(set(positions)) == prompts, "a prompt was lost or repeated"
 
 
 @pytest.mark.parametrize("how", ["term", "kill"])

@@ -6,6 +6,9 @@
 (b) `scontrol requeue` mid-run: same outcome.
 (c) SIGKILL of the job's ranks: the job fails; resubmitting the same run dir resumes from the last
     periodic checkpoint and completes.
+(d) `scontrol requeue` during a long step: the ranks give the step up after checkpoint.stop_grace_s,
+    commit the last completed step well before Slurm's KillWait, exit cleanly, and the job comes back
+    from there (bitwise equality with long steps is tests/mpi/test_stop_grace.py's).
 """
 import json
 import subprocess
@@ -121,3 +124,27 @@ def test_sigkilled_job_resumes_from_periodic_checkpoint_after_resubmission(slurm
     assert "resumed from checkpoint step" in logs(run_dir)
     assert finished_steps(run_dir) == STEPS
     assert_same_weights(final_weights(run_dir), uninterrupted)
+
+
+def test_requeue_during_a_long_step_gives_it_up_within_the_grace(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    sub = submit(run_dir, "train.steps=3", "train.prompts_per_step=64", "rollout.samples_per_prompt=16",
+                 "checkpoint.interval=0", "checkpoint.stop_grace_s=1")
+    wait_steps(run_dir, 1)
+    time.sleep(0.3)  # inside step 2 (seconds long), generating
+    sent = time.monotonic()
+    subprocess.run(["scontrol", "requeue", sub.job_id], check=True)
+    record = run_dir / "logs" / f"stop_{sub.job_id}_0.json"
+    while not record.exists():
+        assert time.monotonic() - sent < 30, logs(run_dir)[-3000:]
+        time.sleep(0.05)
+    took = time.monotonic() - sent
+    states = wait_job(sub.job_id, poll_s=1, timeout_s=400)
+    assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
+    stop = json.loads(record.read_text())
+    assert stop["step"] == 1 and "gave up step 2" in stop["abandoned"], stop
+    print(f"\nscontrol requeue -> stop record (checkpoint step-1 committed) {took:.2f}s")
+    assert took < 5, f"the stop record came {took:.1f}s after the requeue (KillWait is 5s on the dev cluster)"
+    assert restart_count(run_dir, sub.job_id) >= 1
+    assert "resumed from checkpoint step 1" in logs(run_dir)
+    assert finished_steps(run_dir) == 3

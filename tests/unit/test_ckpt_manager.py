@@ -164,6 +164,29 @@ def test_the_snapshot_is_taken_at_save_time_not_when_the_writer_runs(tmp_path):
     assert torch.equal(CheckpointManager(tmp_path).load_latest(IDENTITY).model["w"], want)
 
 
+def test_commit_now_from_another_thread_finishes_the_save_in_flight_then_commits_its_own(tmp_path):
+    import threading
+
+    mgr = CheckpointManager(tmp_path, async_save=True)
+    mgr.save(2, rank_state(2))  # the boundary save, still being written
+    worker = threading.Thread(target=mgr.commit_now, args=(3, rank_state(3), SharedState({"step": 3})))
+    worker.start()  # the stop watchdog's thread; the loop thread makes no checkpoint call meanwhile
+    worker.join()
+    ckpt = layout.checkpoints_dir(tmp_path)
+    assert [s.step for s in layout.list_steps(ckpt)] == [2, 3] and not mgr.in_flight
+    assert verify_step(ckpt / "step-2") is None and verify_step(ckpt / "step-3") is None
+    mgr.commit_now(3, None)  # nothing in flight, nothing to write: a no-op
+    mgr.close()
+    assert torch.equal(CheckpointManager(tmp_path).load_latest(IDENTITY).model["w"], rank_state(3).model["w"])
+
+
+def test_commit_now_refuses_without_thread_collectives(tmp_path):
+    mgr = CheckpointManager(tmp_path, thread_collectives=False)
+    with pytest.raises(CheckpointError, match="THREAD_MULTIPLE"):
+        mgr.commit_now(1, rank_state(1))
+    mgr.close()
+
+
 def test_a_failed_save_raises_at_the_next_wait_and_commits_nothing(tmp_path):
     mgr = CheckpointManager(tmp_path, async_save=True)
     mgr.save(1, RankState(IDENTITY, extra={"ids": [1, 2]}))  # a list would need pickle

@@ -6,6 +6,7 @@
     if should_save(step, cfg.checkpoint.interval, cfg.train.steps):
         mgr.save(step, RankState(identity, coords, model=..., optim=..., rng=capture_rng(), ...),
                  SharedState(counters, sampling, config_yaml))   # collective; blocks for the snapshot only
+    mgr.commit_now(step, state, shared)             # collective; another thread, the loop parked
     mgr.close()                                     # collective; waits for the save in flight
 
 Every rank of ``comm`` calls the collective methods in the same order. ``comm=None`` is a one-rank
@@ -131,6 +132,20 @@ class CheckpointManager:
             self._deferred = (step, snap, shared, entries, error)
             return
         commit(comm, self.leader, self.ckpt_dir, step, snap, shared, entries, error, self.keep_last)
+
+    def commit_now(self, step: int, state: RankState | None, shared: SharedState | None = None) -> None:
+        """Collective over the writer's communicator, from a thread other than the training loop's
+        while that loop makes no checkpoint call (the stop watchdog; the loop is parked or busy in a
+        step). Finish the save in flight; then, if ``state`` is given, write and commit ``step`` now.
+
+        ``state`` is written from the tensors as they are (no staging copy): the caller guarantees
+        they do not change meanwhile. Needs commits off the loop thread (MPI THREAD_MULTIPLE).
+        """
+        if not self._threaded_commit:
+            raise CheckpointError("commit_now needs MPI THREAD_MULTIPLE (commit collectives off the loop thread)")
+        self._writer.wait()
+        if state is not None:
+            self._write_and_commit(step, snapshot(state, None), shared, self._wcomm)
 
     def wait(self) -> None:
         """Collective while a save is in flight. Block until it is committed; re-raise its failure."""

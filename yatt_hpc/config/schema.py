@@ -10,6 +10,7 @@ here: they belong to the placement plan (`yatt_hpc.placement`).
 """
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -229,6 +230,11 @@ class CheckpointConfig(Section):
     """Write in a background thread after a host-memory snapshot (YAML key: `async`)."""
     load_from: str | None = None
     """Start a fresh run from another run's checkpoint directory (weights only)."""
+    stop_grace_s: float | None = Field(60.0, gt=0)
+    """Longest a stop signal waits for the running step to end. Past it the step is given up: every rank
+    commits the last completed step and the run exits (and requeues). Keep it below the warning time of
+    `slurm.signal` (and a preempting partition's GraceTime) minus the time a checkpoint takes to write;
+    null always waits for the step boundary. Needs MPI THREAD_MULTIPLE."""
 
 
 class SlurmConfig(Section):
@@ -302,6 +308,13 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _cross_section(self) -> RunConfig:
+        lead = re.match(r"^.*@(\d+)$", self.slurm.signal)  # the format itself is checked where sbatch is written
+        grace = self.checkpoint.stop_grace_s
+        if grace is not None and lead and grace >= int(lead.group(1)):
+            raise ValueError(f"checkpoint.stop_grace_s={grace:g} is not below the {lead.group(1)} s warning of "
+                             f"slurm.signal={self.slurm.signal}: Slurm would kill the job before the checkpoint of a "
+                             "given-up step is written; lower checkpoint.stop_grace_s (leave time to write a "
+                             "checkpoint) or raise the @seconds of slurm.signal")
         if self.rollout.engine == "sglang" and self.placement.rollout.devices_per_task == 0:
             raise ValueError("rollout.engine=sglang needs GPUs but placement.rollout.devices_per_task=0; "
                              "set placement.rollout.devices_per_task to rollout tp*pp, or use rollout.engine=hf")

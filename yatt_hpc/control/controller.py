@@ -5,6 +5,11 @@
 A controller runs its group's part of a step and says what of it survives a restart. Rollout and
 GenRM ranks only keep their RNG; the trainer overrides the checkpoint hooks with its weights,
 optimizer and data position.
+
+`light_state` is the part of a checkpoint that changes early in a step (RNG, data position): the
+loop copies it at every step start, so that the stop watchdog can still save the step that just
+ended while the next one runs (`stop_watchdog.py`). Whatever changes later (the trainer's
+parameters and optimizer state) must be announced with `guard.enter_mutation()` (`watch_mutations`).
 """
 from __future__ import annotations
 
@@ -26,8 +31,16 @@ class BaseController:
     def step(self, step: int) -> None:
         raise NotImplementedError
 
-    def checkpoint_state(self, step: int) -> RankState:
-        return RankState(self.identity, rng=capture_rng())
+    def light_state(self, step: int) -> dict:
+        """RankState fields that change before the optimizer step; cheap (called at every step start)."""
+        return {"rng": capture_rng()}
+
+    def checkpoint_state(self, step: int, light: dict | None = None) -> RankState:
+        """This rank's part of checkpoint `step`; `light` from the step start, else taken now."""
+        return RankState(self.identity, **(light if light is not None else self.light_state(step)))
+
+    def watch_mutations(self, guard) -> None:
+        """Call `guard.enter_mutation()` before checkpointed state beyond `light_state` changes."""
 
     def restore(self, restored) -> None:
         restore_rng(restored.rng)

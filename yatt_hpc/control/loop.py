@@ -9,9 +9,15 @@ small report (times, sums, peaks: no samples) to the leader; save a checkpoint w
 (with the split, if any). On a stop the ranks save (unless the step was just saved), wait for the
 write, and the leader requeues the job or says how to continue. The leader holds decisions and
 numbers, never the batch.
+
+A step that is still running `checkpoint.stop_grace_s` after a stop signal is given up: the stop
+watchdog (`stop_watchdog.py`) has every rank commit the last completed step from what the loop
+recorded at the step's start (`abandon`; the split too), then the processes exit; the stop record
+says so.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
@@ -22,10 +28,12 @@ import numpy as np
 from mpi4py import MPI
 
 from yatt_hpc.ckpt import SharedState, should_save
-from yatt_hpc.control.preemption import DEADLINE, NONE, REASONS, decide_requeue, past_deadline
+from yatt_hpc.control.preemption import DEADLINE, NONE, REASONS, SIGNAL, decide_requeue, past_deadline, stop_record_name
 from yatt_hpc.control.routing import RoleSplit, Routes
 from yatt_hpc.control.split import SplitSchedule
+from yatt_hpc.control.stop_watchdog import StepGuard, StepRecord, StopWatchdog
 from yatt_hpc.control.summary import step_scalars
+from yatt_hpc.control.wire import wait_all
 from yatt_hpc.control.world import LEADER_RANK
 
 log = logging.getLogger(__name__)
@@ -50,22 +58,31 @@ class StepLoop:
         self.step_seconds = 0.0
         self.outcome = "complete"
         self.split = SplitSchedule.from_config(cfg, world.plan) if world.plan.dynamic_split else None
+        self.guard = StepGuard()  # what the stop watchdog may save while a step runs
+        controller.watch_mutations(self.guard)
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> str:
         step = self.resume()
         last_saved, started = step, time.perf_counter()
+        watchdog = StopWatchdog.build(self.world.comm, self.guard, self.stop_flag, self.cfg.checkpoint.stop_grace_s,
+                                      self.abandon)
         while step < self.cfg.train.steps:
             reason = self.agree_stop()
             if reason != NONE:
+                self.guard.enter_mutation()  # from here on the loop saves; the watchdog keeps out
                 if last_saved != step:
                     self.save(step)
                 self.stop(reason, step)
                 break
+            light = copy.deepcopy(self.controller.light_state(step))
+            # the counters a checkpoint of `step` holds: the split before this step's agreement
+            self.guard.begin_step(StepRecord(step, light, saved=last_saved == step, counters=self.counters(step)))
             self.agree_split()
             t0 = time.perf_counter()
             self.controller.step(step)
+            self.guard.end_step()
             self.step_seconds = time.perf_counter() - t0
             reports = self.world.comm.gather(self.stats.step_report(), root=0)
             if self.split is not None:
@@ -74,8 +91,14 @@ class StepLoop:
                 self.review(step, self.step_seconds, reports)
             step += 1
             if should_save(step, self.cfg.checkpoint.interval, self.cfg.train.steps):
+                # Ranks done early (GenRM, while the trainers train) wait for the rest before saving:
+                # until then their state is still the step start the stop watchdog may save instead.
+                wait_all([self.world.comm.Ibarrier()])
+                self.guard.enter_mutation()
                 self.save(step)
                 last_saved = step
+        if watchdog is not None:
+            watchdog.close()
         self.ckpt.close()
         self.metrics.close()
         if self.world.is_leader and self.outcome == "complete":
@@ -131,26 +154,50 @@ class StepLoop:
         if self.split is not None:
             self.controller.set_routes(Routes(self.world.plan, RoleSplit(self.split.current, self.split.current)))
 
+    def counters(self, step: int) -> dict[str, int]:
+        """The shared counters of checkpoint `step`: the step, and the split (if any) of steps step and step + 1."""
+        return {"step": step, **(self.split.counters() if self.split is not None else {})}
+
     def save(self, step: int) -> None:
-        counters = {"step": step, **(self.split.counters() if self.split is not None else {})}
-        shared = SharedState(counters=counters, config_yaml=self.config_yaml)
+        shared = SharedState(counters=self.counters(step), config_yaml=self.config_yaml)
         self.ckpt.save(step, self.controller.checkpoint_state(step), shared)
         log.info("checkpoint step %d handed to the writer (stall %.3fs)", step, self.ckpt.last_stall_s)
 
     def stop(self, reason: int, step: int) -> None:
         self.ckpt.wait()  # the final checkpoint is committed before anyone requeues or exits
         self.outcome = "stopped"
-        if not self.world.is_leader:
-            return
+        if self.world.is_leader:
+            self.announce(reason, step)
+
+    def abandon(self, record: StepRecord, waited: float) -> None:
+        """The watchdog thread of every rank, the loop parked or still busy in step `record.step`:
+        commit checkpoint `record.step` from live weights and the step-start record; say why."""
+        step, t0 = record.step, time.perf_counter()
+        state = None if record.saved else self.controller.checkpoint_state(step, record.light)
+        t1 = time.perf_counter()
+        self.ckpt.commit_now(step, state, SharedState(counters=record.counters, config_yaml=self.config_yaml))
+        log.info("checkpoint step %d of a given-up step: state taken in %.3fs, written and committed in %.3fs",
+                 step, t1 - t0, time.perf_counter() - t1)
+        self.outcome = "stopped"
+        if self.world.is_leader:
+            self.metrics.close()
+            self.announce(SIGNAL, step, abandoned=f"gave up step {step + 1} {waited:.1f}s after the signal "
+                                                  f"(checkpoint.stop_grace_s={self.cfg.checkpoint.stop_grace_s:g})")
+
+    def announce(self, reason: int, step: int, abandoned: str = "") -> None:
+        """The leader: decide whether to requeue, say it, and leave the stop record for the launcher."""
         decision = decide_requeue(reason, self.slurm.restart_count, self.cfg.slurm.max_requeues,
                                   self.slurm.job_id is not None)
-        log.warning("stopping at step %d (%s): %s", step, REASONS[reason], decision.reason)
-        self.say(f"stopped at step {step}/{self.cfg.train.steps} ({REASONS[reason]}); checkpoint step-{step} saved. "
+        why = f"{REASONS[reason]}; {abandoned}" if abandoned else REASONS[reason]
+        log.warning("stopping at step %d (%s): %s", step, why, decision.reason)
+        self.say(f"stopped at step {step}/{self.cfg.train.steps} ({why}); checkpoint step-{step} saved. "
                  f"{decision.reason}")
-        if self.slurm.job_id is not None and self.run_dir is not None:
+        if self.run_dir is not None:
             # the batch-level launcher acts on it once every rank has exited (nobody is killed mid-save)
-            path = self.run_dir / "logs" / f"stop_{self.slurm.job_id}_{self.slurm.restart_count}.json"
-            path.write_text(json.dumps({"step": step, "requeue": decision.requeue, "reason": decision.reason}) + "\n")
+            path = self.run_dir / "logs" / stop_record_name(self.slurm.job_id, self.slurm.restart_count)
+            path.write_text(json.dumps({"step": step, "requeue": decision.requeue, "reason": decision.reason,
+                                        "abandoned": abandoned or None}) + "\n")
+        if self.slurm.job_id is not None:
             self.outcome = "requeue" if decision.requeue else "stopped"
 
     # ------------------------------------------------------------------ the leader's review

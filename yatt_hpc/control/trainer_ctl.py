@@ -289,20 +289,29 @@ class TrainerController(BaseController):
     def shard(self) -> dict[str, int]:
         return {"tp": self.tp_rank, "pp": 0}
 
-    def checkpoint_state(self, step: int) -> RankState:
-        """Parameters (dp rank 0 of the shard), optimizer state, RNG, data position of this rank."""
+    def light_state(self, step: int) -> dict:
+        """RNG, data position (with returned prompts), sampler and routing state: all that changes
+        before the optimizer step."""
+        position = {"next_index": self.queue.next_index, "stride": self.routes.dp, "offset": self.dp_rank,
+                    "returned": np.array(list(self.queue.returned), np.int64),  # prompts to dispatch first
+                    "step": step, "world_rank": self.world.rank}
+        return {"rng": capture_rng(), "data_position": position,
+                "extra": {"sampling": self.sampler.state(),
+                          "routing": {"expected_response": float(self.expected_response)}}}
+
+    def checkpoint_state(self, step: int, light: dict | None = None) -> RankState:
+        """Parameters (dp rank 0 of the shard), optimizer state, and `light_state` (now, or from the step start)."""
         model = self.policy.model
         params = None
         if self.dp_rank == 0:
             params = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
         optim, meta = optimizer_tensors(self.policy.optimizer, model.named_parameters())
-        position = {"next_index": self.queue.next_index, "stride": self.routes.dp, "offset": self.dp_rank,
-                    "returned": np.array(list(self.queue.returned), np.int64),  # prompts to dispatch first
-                    "step": step, "world_rank": self.world.rank}
         return RankState(self.identity, {"dp": self.dp_rank, "tp": self.tp_rank, "pp": 0}, model=params,
-                         optim=optim, optim_meta=meta, rng=capture_rng(), data_position=position,
-                         extra={"sampling": self.sampler.state(),
-                                "routing": {"expected_response": float(self.expected_response)}})
+                         optim=optim, optim_meta=meta, **(light if light is not None else self.light_state(step)))
+
+    def watch_mutations(self, guard) -> None:
+        """Parameters and optimizer state change only in optimizer.step(): announce it first."""
+        self.policy.optimizer.register_step_pre_hook(lambda *_: guard.enter_mutation())
 
     def restore(self, restored) -> None:
         from yatt_hpc.train.megatron_model import load_megatron_shard

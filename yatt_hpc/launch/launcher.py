@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from yatt_hpc.config import load_config
+from yatt_hpc.control.preemption import stop_record_name
 from yatt_hpc.launch.commands import rank_hosts, render, srun_launch
-from yatt_hpc.launch.local import LaunchError, launch_env, prepare_run_dir
+from yatt_hpc.launch.local import LaunchError, gave_up_step, launch_env, prepare_run_dir
 from yatt_hpc.launch.slurm_env import SlurmEnv
 from yatt_hpc.placement import Plan, plan
 
@@ -91,6 +92,9 @@ def launch_in_allocation(run_dir: Path, slurm: SlurmEnv, program: Sequence[str] 
     _say(f"starting {p.world_size} ranks ({p.mode}): {render(argv)}")
     start = time.monotonic()
     code, stderr_lines, signals = _run_step(argv, env, run_dir / "logs" / f"step_{tag}.err")
+    if code and gave_up_step(run_dir / "logs" / stop_record_name(slurm.job_id, slurm.restart_count)):
+        _say(f"the step exited {code} after giving up a step with its checkpoint committed: a stop")
+        code = 0
     failure = first_failure(stderr_lines, p, _node_groups(p, slurm)) if code else None
     summary = RunSummary(slurm.job_id or "", slurm.restart_count, p.mode, p.world_size, code,
                          round(time.monotonic() - start, 1), failure, render(argv))
@@ -225,7 +229,7 @@ def act_on_stop(run_dir: Path, slurm: SlurmEnv, signals: SignalLog) -> str | Non
 
     Requeue through the handler that was there before ours (submitit: pickles the submission and
     runs `scontrol requeue`), or with `scontrol requeue $SLURM_JOB_ID` for hand-written scripts."""
-    path = run_dir / "logs" / f"stop_{slurm.job_id}_{slurm.restart_count}.json"
+    path = run_dir / "logs" / stop_record_name(slurm.job_id, slurm.restart_count)
     if not path.exists():
         return None
     decision = json.loads(path.read_text())

@@ -8,6 +8,7 @@ runs `mpirun`. The environment is read here, once, at the edge.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from yatt_hpc.config import RunConfig, to_yaml
+from yatt_hpc.control.preemption import stop_record_name
 from yatt_hpc.launch.commands import local_launch, render
 from yatt_hpc.placement import Plan
 
@@ -40,6 +42,9 @@ def launch_env(environ: dict[str, str]) -> dict[str, str]:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     # more controller ranks than cores: waiting ranks must yield the CPU instead of spinning
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    # a stop that gives up a long step exits every rank without MPI_Finalize (its step's messages
+    # are still in flight) once the checkpoint is committed: mpirun must not call that a failure
+    env.setdefault("OMPI_MCA_orte_allowed_exit_without_sync", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -65,12 +70,22 @@ def launch_run(cfg: RunConfig, plan: Plan, run_dir: Path) -> int:
     (run_dir / "launch.sh").write_text("#!/bin/sh\n" + render(argv) + "\n")
     # Own session: a terminal Ctrl-C must not make mpirun kill the ranks mid-write. We forward
     # SIGINT/SIGTERM/SIGUSR2 as SIGUSR2, which mpirun and srun pass to every rank: they agree to
-    # stop at the next step boundary, save, and exit.
+    # stop at the next step boundary (or give up the step after checkpoint.stop_grace_s), save, exit.
+    record = run_dir / "logs" / stop_record_name(None, 0)
+    record.unlink(missing_ok=True)
     proc = subprocess.Popen(argv, env=launch_env(environ), start_new_session=True)
     forward = lambda signum, _frame: proc.send_signal(signal.SIGUSR2)  # noqa: E731
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
     try:
-        return proc.wait()
+        code = proc.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    return 0 if code and gave_up_step(record) else code
+
+
+def gave_up_step(record: Path) -> bool:
+    """Whether the leader's stop record says the run gave up a step (stop watchdog) and committed the
+    one before. Its ranks exit without MPI_Finalize, the step's messages in flight: an MPI launcher
+    may call that a failure (a non-zero code, a peer that saw its TCP connection drop); it is a stop."""
+    return record.exists() and bool(json.loads(record.read_text()).get("abandoned"))

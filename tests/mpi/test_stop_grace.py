@@ -1,0 +1,94 @@
+"""A stop signal during a long step, under real mpirun: the step is given up after checkpoint.stop_grace_s.
+
+The step is long by configuration alone (64 prompts x 16 samples: seconds on CPU, most of them before
+the optimizer step). SIGTERM lands early in step 2; the leader gives the step up within the grace
+plus polling, checkpoint step-1 is committed after its write (written by the watchdogs:
+checkpoint.interval=0 saves nothing on its own; the fsyncs take ~0.1s here, but a disk shared with
+other jobs has stalled them for seconds, hence the loose bound on the commit), every
+process has exited with the code of a normal stop, and the stop record says the step was given up.
+Resuming to K steps then ends bitwise where an uninterrupted run ends, with the same prompts consumed.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+
+import pytest
+
+from tests.conftest import REPO, mpi_env
+from tests.mpi.test_exact_resume import assert_same, final_state, finished_steps
+
+K, PROMPTS, GRACE = 2, 64, 1.0
+ARGS = ["--set", f"train.steps={K}", "--set", f"train.prompts_per_step={PROMPTS}", "--set", "rollout.samples_per_prompt=16",
+        "--set", "checkpoint.interval=0", "--set", f"checkpoint.stop_grace_s={GRACE}", "--set", "logging.progress=false",
+        "--set", "logging.tensorboard=false"]
+
+
+def cmd(run_dir):
+    return [sys.executable, "-m", "yatt_hpc.cli", "run", str(REPO / "configs/demo_cpu.yaml"), "--run-dir", str(run_dir),
+            *ARGS]
+
+
+def gave_up_at(run_dir) -> float:
+    """Wall time of the leader's decision to give up step 2, from its log."""
+    line = next(x for x in (run_dir / "logs" / "rank-0000-trainer.log").read_text().splitlines() if "giving up step 2" in x)
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def start(run_dir):
+    return subprocess.Popen(cmd(run_dir), cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """The interrupted run's directory; whatever of that run is still alive afterwards (a failed test) is killed."""
+    yield tmp_path / "run"
+    alive = subprocess.run(["pgrep", "-f", "--", f"--run-dir {tmp_path / 'run'}"], capture_output=True, text=True)
+    for pid in alive.stdout.split():
+        os.kill(int(pid), signal.SIGKILL)
+
+
+def test_signal_in_a_long_step_commits_the_last_step_within_the_grace_and_resumes_exactly(mpirun, run_dir, tmp_path):
+    straight_dir = tmp_path / "straight"
+    proc = start(run_dir)
+    deadline = time.monotonic() + 300
+    while finished_steps(run_dir) < 1 and proc.poll() is None:
+        assert time.monotonic() < deadline, "step 1 never finished"
+        time.sleep(0.02)
+    time.sleep(0.3)  # inside step 2, generating
+    sent, sent_wall = time.monotonic(), time.time()
+    proc.send_signal(signal.SIGTERM)
+    marker, committed = run_dir / "checkpoints" / "step-1" / "COMMITTED", None
+    while proc.poll() is None:
+        if committed is None and marker.exists():
+            committed = time.monotonic() - sent
+        assert time.monotonic() - sent < 60, "the run did not exit after the stop"
+        time.sleep(0.02)
+    exited = time.monotonic() - sent
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out[-3000:]
+    decided = gave_up_at(run_dir) - sent_wall
+    assert decided < GRACE + 2, f"the leader gave up step 2 {decided:.2f}s after the signal (grace {GRACE}s)"
+    # the write is fsyncs (~0.1s here); a disk shared with other jobs has stalled them for seconds
+    assert committed is not None and committed < decided + 15, f"checkpoint step-1 committed {committed}s after the signal"
+    assert finished_steps(run_dir) == 1, "step 2 was not given up"
+    record = json.loads((run_dir / "logs" / "stop_local_0.json").read_text())
+    assert record["step"] == 1 and "gave up step 2" in record["abandoned"], record
+    assert "run the same command again to resume" in out
+    leftover = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], capture_output=True, text=True).stdout
+    assert not leftover.strip(), f"processes of the stopped run are still alive: {leftover}"
+
+    resumed, straight = start(run_dir), start(straight_dir)  # the resume and the reference run side by side
+    out_resumed, _ = resumed.communicate(timeout=600)
+    out_straight, _ = straight.communicate(timeout=600)
+    assert resumed.returncode == 0 and "resumed from checkpoint step 1" in out_resumed, out_resumed[-3000:]
+    assert straight.returncode == 0, out_straight[-3000:]
+    assert_same(final_state(run_dir, K), final_state(straight_dir, K), prompts=K * PROMPTS)
+    step_s = [json.loads(line)["time/step"] for line in (straight_dir / "metrics.jsonl").read_text().splitlines()]
+    print(f"\nsignal -> leader gives up step 2 {decided:.2f}s, -> checkpoint committed {committed:.2f}s, "
+          f"-> every process exited {exited:.2f}s; "
+          f"grace {GRACE}s; uninterrupted steps {', '.join(f'{s:.1f}' for s in step_s)}s")
