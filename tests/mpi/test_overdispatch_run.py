@@ -31,12 +31,12 @@ def run(run_dir, models, mode, extra):
                           text=True, timeout=300)
 
 
-def assert_every_position_consumed_once_or_queued(run_dir):
+def assert_every_position_consumed_once_or_queued(run_dir, steps: int = STEPS):
     consumed, queued = [], []
     for dp in range(DP):
         for line in (run_dir / "data" / f"consumed-dp{dp}.jsonl").read_text().splitlines():
             consumed += json.loads(line)["positions"]
-        position = read_rank(run_dir / "checkpoints" / f"step-{STEPS}", f"trainer/dp{dp}/tp0/pp0").data_position
+        position = read_rank(run_dir / "checkpoints" / f"step-{steps}", f"trainer/dp{dp}/tp0/pp0").data_position
         queued += [int(p) for p in position["returned"]]
         handed_out = {j * DP + dp for j in range(position["next_index"])}
         mine = [p for p in consumed + queued if p % DP == dp]

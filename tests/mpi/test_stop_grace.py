@@ -7,6 +7,9 @@ checkpoint.interval=0 saves nothing on its own; the fsyncs take ~0.1s here, but 
 other jobs has stalled them for seconds, hence the loose bound on the commit), every
 process has exited with the code of a normal stop, and the stop record says the step was given up.
 Resuming to K steps then ends bitwise where an uninterrupted run ends, with the same prompts consumed.
+The same stop in partial placement with over-dispatch and a dynamic split (5 ranks, STOP/END and
+weight traffic in flight when the ranks exit) resumes with the step-start split and queue: no
+prompt lost or repeated.
 """
 import json
 import os
@@ -20,6 +23,8 @@ import pytest
 
 from tests.conftest import REPO, mpi_env
 from tests.mpi.test_exact_resume import assert_same, final_state, finished_steps
+from tests.mpi.test_overdispatch_run import assert_every_position_consumed_once_or_queued
+from yatt_hpc.ckpt.state import read_shared
 
 K, PROMPTS, GRACE = 2, 64, 1.0
 ARGS = ["--set", f"train.steps={K}", "--set", f"train.prompts_per_step={PROMPTS}", "--set", "rollout.samples_per_prompt=16",
@@ -27,9 +32,14 @@ ARGS = ["--set", f"train.steps={K}", "--set", f"train.prompts_per_step={PROMPTS}
         "--set", "logging.tensorboard=false"]
 
 
-def cmd(run_dir):
+PARTIAL = ["--set", "placement.mode=partial", "--set", "placement.dynamic_split.enabled=true",
+           "--set", "placement.rollout.tasks_per_node=2", "--set", "placement.genrm.tasks_per_node=1",
+           "--set", "rollout.over_dispatch_ratio=1.5", "--set", "rollout.stream_chunk=32"]
+
+
+def cmd(run_dir, extra=()):
     return [sys.executable, "-m", "yatt_hpc.cli", "run", str(REPO / "configs/demo_cpu.yaml"), "--run-dir", str(run_dir),
-            *ARGS]
+            *ARGS, *extra]
 
 
 def gave_up_at(run_dir) -> float:
@@ -38,8 +48,8 @@ def gave_up_at(run_dir) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def start(run_dir):
-    return subprocess.Popen(cmd(run_dir), cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def start(run_dir, extra=()):
+    return subprocess.Popen(cmd(run_dir, extra), cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
 
@@ -52,9 +62,10 @@ def run_dir(tmp_path):
         os.kill(int(pid), signal.SIGKILL)
 
 
-def test_signal_in_a_long_step_commits_the_last_step_within_the_grace_and_resumes_exactly(mpirun, run_dir, tmp_path):
-    straight_dir = tmp_path / "straight"
-    proc = start(run_dir)
+def interrupt_in_step_2(run_dir, extra=()):
+    """Start a run, SIGTERM it early in step 2, wait for every process to exit; check the give-up.
+    Returns (seconds from the signal to: the leader's decision, the commit marker, the exit; output)."""
+    proc = start(run_dir, extra)
     deadline = time.monotonic() + 300
     while finished_steps(run_dir) < 1 and proc.poll() is None:
         assert time.monotonic() < deadline, "step 1 never finished"
@@ -81,6 +92,12 @@ def test_signal_in_a_long_step_commits_the_last_step_within_the_grace_and_resume
     assert "run the same command again to resume" in out
     leftover = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], capture_output=True, text=True).stdout
     assert not leftover.strip(), f"processes of the stopped run are still alive: {leftover}"
+    return decided, committed, exited, out
+
+
+def test_signal_in_a_long_step_commits_the_last_step_within_the_grace_and_resumes_exactly(mpirun, run_dir, tmp_path):
+    straight_dir = tmp_path / "straight"
+    decided, committed, exited, _ = interrupt_in_step_2(run_dir)
 
     resumed, straight = start(run_dir), start(straight_dir)  # the resume and the reference run side by side
     out_resumed, _ = resumed.communicate(timeout=600)
@@ -92,3 +109,20 @@ def test_signal_in_a_long_step_commits_the_last_step_within_the_grace_and_resume
     print(f"\nsignal -> leader gives up step 2 {decided:.2f}s, -> checkpoint committed {committed:.2f}s, "
           f"-> every process exited {exited:.2f}s; "
           f"grace {GRACE}s; uninterrupted steps {', '.join(f'{s:.1f}' for s in step_s)}s")
+
+
+def test_a_given_up_partial_step_with_split_and_over_dispatch_loses_no_prompt(mpirun, run_dir):
+    decided, committed, exited, _ = interrupt_in_step_2(run_dir, PARTIAL)
+    _, shared = read_shared(run_dir / "checkpoints" / "step-1" / "state.h5")
+    # the split of steps 1 and 2 as step 2 began (2 of 3 pool ranks generate until the leader moves one)
+    assert shared.counters["split_rollout"] in (1, 2) and shared.counters["split_rollout_next"] in (1, 2), shared
+    resumed = start(run_dir, PARTIAL)
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0 and "resumed from checkpoint step 1" in out, out[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == K and all(r["data/prompts_consumed"] == PROMPTS for r in rows), rows
+    assert rows[1]["placement/rollout_replicas"] == shared.counters["split_rollout"], "the resume did not take the split"
+    consumed, queued = assert_every_position_consumed_once_or_queued(run_dir, steps=K)
+    assert len(consumed) == K * PROMPTS
+    print(f"\npartial + split + over-dispatch: signal -> give up {decided:.2f}s, -> committed {committed:.2f}s, "
+          f"-> exited {exited:.2f}s; {len(queued)} prompts queued for later")

@@ -3,7 +3,8 @@ import json
 import shlex
 
 from tests.conftest import PYTHON, REPO
-from tests.slurm.jobs import sbatch, wait_job
+from tests.slurm.jobs import sbatch
+from yatt_hpc.launch.jobs import job_rows, wait_job
 
 PROBE = str(REPO / "tests/programs/world_probe.py")
 CONFIG = str(REPO / "configs/demo_cpu.yaml")
@@ -27,7 +28,8 @@ def test_sbatch_srun_pmix_world_across_two_nodes(slurm_cluster, tmp_path):
     header = ("#SBATCH --job-name=yatt-test-world\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=2\n#SBATCH --time=5\n"
               "#SBATCH --output=slurm-%j.out")
     job = sbatch(_script(header, "srun --mpi=pmix --kill-on-bad-exit=1", out), tmp_path)
-    states = wait_job(job)
+    wait_job(job, poll_s=1, timeout_s=180)
+    states = {r.job_id: r.state for r in job_rows(job)}  # the job and its steps
     log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert states[job] == "COMPLETED", (states, log)
     assert states.get(f"{job}.0") == "COMPLETED", states
@@ -50,7 +52,7 @@ def test_het_job_three_components_form_one_world(slurm_cluster, tmp_path):
     srun = "srun --mpi=pmix --kill-on-bad-exit=1 --het-group=0-2"
     script = _script(header, srun, out) + " --set placement.mode=disjoint"
     job = sbatch(script, tmp_path)
-    states = wait_job(job, components=3)
+    states = wait_job(job, poll_s=1, timeout_s=180)  # each het component: N+0, N+1, N+2
     log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert all(states[f"{job}+{i}"] == "COMPLETED" for i in range(3)), (states, log)
     reps = _reports(out)
