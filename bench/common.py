@@ -15,6 +15,7 @@ import platform
 import shutil
 import statistics
 import sys
+from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console
@@ -62,7 +63,8 @@ def write_report(name: str, *, question: str, target: str, met: bool | None, ver
     path = RESULTS / f"{name}.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"question": question, "target": target, "met": met, "verdict": verdict,
-                                "notes": notes, "rows": rows, "machine": machine(), "raw": raw}, indent=2) + "\n")
+                                "notes": notes, "rows": rows, "machine": machine(), "raw": raw,
+                                "measured": datetime.now().strftime("%Y-%m-%d %H:%M")}, indent=2) + "\n")
     Console().print(f"{verdict}\nJSON: {path}", highlight=False)
     return path
 

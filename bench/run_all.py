@@ -40,7 +40,12 @@ def run(key: str, slurm: bool) -> float:
     print(f"== {key}: {' '.join(argv[1:])}", flush=True)
     start = time.perf_counter()
     subprocess.run(argv, cwd=REPO, check=True)
-    return time.perf_counter() - start
+    took = time.perf_counter() - start
+    path = RESULTS / f"{SCRIPTS[key]}.json"  # the report keeps when it was measured and how long it took
+    data = json.loads(path.read_text())
+    data.setdefault("measured", datetime.now().strftime("%Y-%m-%d %H:%M"))
+    path.write_text(json.dumps(data | {"took_s": round(took, 1)}, indent=2) + "\n")
+    return took
 
 
 def b1_report(data: dict) -> dict:
@@ -63,7 +68,9 @@ def load(key: str) -> dict | None:
         return None
     data = json.loads(path.read_text())
     report = b1_report(data) if key == "B1" else data
-    report["updated"] = datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y-%m-%d %H:%M")
+    # when it was measured (a checkout resets file times); reports from before the field: the file time
+    report["updated"] = data.get("measured") or datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y-%m-%d %H:%M")
+    report["took_s"] = data.get("took_s")
     return report
 
 
@@ -82,7 +89,8 @@ def render(durations: dict[str, float]) -> str:
     for key, rep in reports.items():
         if rep is None:
             continue
-        took = f", took {durations[key]:.0f} s" if key in durations else ""
+        seconds = durations.get(key, rep["took_s"])
+        took = f", took {seconds:.0f} s" if seconds is not None else ""
         lines += ["", f"### {key}: `bench/{SCRIPTS[key]}.py` (results from {rep['updated']}{took})", "",
                   "| measurement | median [min-max] (n) |", "|---|---|"]
         lines += [f"| {r['label']} | {r['value']} |" for r in rep["rows"]]

@@ -8,8 +8,10 @@
 token with a logprob, plus the per-sample columns. Per round rank 0 sends M batches, rank 1
 receives them and acknowledges; bytes/s = M * bytes / (first send -> ack). Modes take turns:
 
-  wire         send_batch / recv_batch (header + one Send per column; the receiver polls Iprobe+sleep
-               and allocates fresh columns, as the controllers do)
+  wire         send_batch / recv_batch: one message read in place from the columns (an MPI datatype
+               over their addresses); the receiver spins briefly, then polls Iprobe+sleep, and
+               receives into a fresh buffer, as the controllers do
+  wire-packed  diagnostic: the previous sender, which first concatenated the batch into one buffer
   wire-stream  StreamSender (Isend, 4 batches in flight) / recv_batch, what partial mode uses
   cols         diagnostic: the same 15 column messages, blocking Recv into columns allocated once
                (what per-column messages cost without probing or allocation)
@@ -31,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from common import mpi_env, mpirun_argv, print_table, row, spread, write_report
 
-MODES = ("wire", "wire-stream", "cols", "raw-alloc", "raw")
+MODES = ("wire", "wire-packed", "wire-stream", "cols", "raw-alloc", "raw")
 
 
 def make_batch(samples: int, seed: int = 0):
@@ -50,7 +52,7 @@ def make_batch(samples: int, seed: int = 0):
 
 
 def one_round(comm, mode: str, batch, raw: np.ndarray, messages: int) -> float:
-    from yatt_hpc.control.wire import _COLUMNS, StreamSender, recv_batch, send_batch
+    from yatt_hpc.control.wire import _COLUMNS, StreamSender, pack, recv_batch, send_batch
 
     rank = comm.Get_rank()
     ack = np.zeros(1, np.int8)
@@ -62,6 +64,8 @@ def one_round(comm, mode: str, batch, raw: np.ndarray, messages: int) -> float:
         for _ in range(messages):
             if mode == "wire":
                 send_batch(comm, 1, 12, batch)
+            elif mode == "wire-packed":
+                comm.Send(pack(batch), dest=1, tag=12)
             elif mode == "wire-stream":
                 sender.send(1, 12, batch)
             elif mode == "cols":
