@@ -128,15 +128,22 @@ FAST = ["--set", "train.steps=2", "--set", "train.prompts_per_step=8", "--set", 
         "--set", "logging.progress=false", "--set", DEV_ENV, "--set", "slurm.time=00:20:00"]
 
 
+# partial with a dynamic split of 3 engine ranks and over-dispatch: one srun step of 4 ranks (a
+# virtual node has 4 CPUs), the STOP/END handshake and the per-step routes over TCP between ranks
+POOL = ("placement.dynamic_split.enabled=true", "placement.trainer.tasks_per_node=1", "placement.trainer.dp=null",
+        "placement.rollout.tasks_per_node=2", "rollout.over_dispatch_ratio=1.5")
+
+
 @needs_models
-@pytest.mark.parametrize("mode, components", [pytest.param("disjoint", 3, id="disjoint"),
-                                              pytest.param("colocate", 1, id="colocate")])
-def test_submit_wait_runs_two_grpo_steps(slurm_cluster, tmp_path, mode, components):
+@pytest.mark.parametrize("mode, components, extra", [pytest.param("disjoint", 3, (), id="disjoint"),
+                                                     pytest.param("colocate", 1, (), id="colocate"),
+                                                     pytest.param("partial", 1, POOL, id="partial-split-overdispatch")])
+def test_submit_wait_runs_two_grpo_steps(slurm_cluster, tmp_path, mode, components, extra):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    proc = _cli("submit", DEMO, "--run-dir", str(run_dir), "--set", f"placement.mode={mode}", *FAST, "--wait",
-                timeout=240)
+    proc = _cli("submit", DEMO, "--run-dir", str(run_dir), "--set", f"placement.mode={mode}", *FAST,
+                *[a for e in extra for a in ("--set", e)], "--wait", timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr + _log(run_dir)
     job = proc.stdout.split("submitted job ", 1)[1].split(":")[0]
     assert f"yatt-hpc status {job}" in proc.stdout and f"job_{job}_0.log" in proc.stdout
@@ -145,6 +152,12 @@ def test_submit_wait_runs_two_grpo_steps(slurm_cluster, tmp_path, mode, componen
     acc = EventAccumulator(str(run_dir / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2]
+    if extra:
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        # one trainer replica: it keeps 8 groups of the ceil(8 x 1.5) = 12 it dispatches (4 samples each)
+        assert all(r["data/prompts_consumed"] == 8 and r["reward/scored"] == 32 for r in rows), rows
+        assert all(r["rollout/aborted"] + r["rollout/generated"] == 48 for r in rows), rows
+        assert [r["rollout/reused_prompts"] for r in rows] == [0, 4], rows
 
 
 def test_cli_outside_a_cluster_says_so_in_one_line(tmp_path):
