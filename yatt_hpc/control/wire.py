@@ -56,10 +56,12 @@ class SampleBatch:
     def __post_init__(self) -> None:
         # per-sample columns not given yet (e.g. rewards of a prompt batch) start as zeros
         n = len(self)
-        for f in fields(self):
-            col = getattr(self, f.name)
-            if f.name not in RAGGED and n and col.size == 0:
-                setattr(self, f.name, np.zeros(n, dtype=col.dtype))
+        if not n:
+            return
+        for name in _PER_SAMPLE:
+            col = getattr(self, name)
+            if col.size == 0:
+                setattr(self, name, np.zeros(n, dtype=col.dtype))
 
     def __len__(self) -> int:
         return int(self.sample_id.shape[0])
@@ -101,6 +103,7 @@ class SampleBatch:
 
 
 _COLUMNS = [f.name for f in fields(SampleBatch)]
+_PER_SAMPLE = [c for c in _COLUMNS if c not in RAGGED]
 _DTYPES = {name: SampleBatch().__getattribute__(name).dtype for name in _COLUMNS}
 _WIRE_ORDER = sorted(_COLUMNS, key=lambda c: -_DTYPES[c].itemsize)  # stable: schema order within a width
 
