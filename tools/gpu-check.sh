@@ -2,7 +2,8 @@
 # The GPU checks a CPU machine cannot run, in one go (a few minutes on one GPU):
 #   bash tools/gpu-check.sh OUT_DIR [PYTHON]
 # 1. tests/gpu (Megatron on CUDA + NCCL, the GRPO update there, release/resume of every group's
-#    device memory, the SGLang engine when sglang is installed);
+#    device memory, the bounded stop giving up a long colocated step on the device, the SGLang
+#    engine when sglang is installed);
 # 2. the demo loop on one GPU with full colocation (configs/demo_1gpu.yaml, 3 ranks, 1 device),
 #    whose timeline records each rank's device memory at the end of every phase.
 # Logs, metrics and the timeline land in OUT_DIR.
@@ -19,7 +20,7 @@ print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", tr
       "megatron-core", megatron.core.__version__, "mpi4py", mpi4py.__version__)
 print(MPI.Get_library_version().splitlines()[0])
 PY
-timeout 300 "$py" -m pytest tests/gpu -ra -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
+timeout 480 "$py" -m pytest tests/gpu -ra -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
 tests=${PIPESTATUS[0]}
 run=/tmp/yatt-demo-1gpu
 rm -rf "$run"

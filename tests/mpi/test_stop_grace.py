@@ -37,9 +37,8 @@ PARTIAL = ["--set", "placement.mode=partial", "--set", "placement.dynamic_split.
            "--set", "rollout.over_dispatch_ratio=1.5", "--set", "rollout.stream_chunk=32"]
 
 
-def cmd(run_dir, extra=()):
-    return [sys.executable, "-m", "yatt_hpc.cli", "run", str(REPO / "configs/demo_cpu.yaml"), "--run-dir", str(run_dir),
-            *ARGS, *extra]
+def cmd(run_dir, extra=(), config="configs/demo_cpu.yaml"):
+    return [sys.executable, "-m", "yatt_hpc.cli", "run", str(REPO / config), "--run-dir", str(run_dir), *ARGS, *extra]
 
 
 def gave_up_at(run_dir) -> float:
@@ -48,9 +47,9 @@ def gave_up_at(run_dir) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def start(run_dir, extra=()):
-    return subprocess.Popen(cmd(run_dir, extra), cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+def start(run_dir, extra=(), config="configs/demo_cpu.yaml"):
+    return subprocess.Popen(cmd(run_dir, extra, config), cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 @pytest.fixture
@@ -62,10 +61,10 @@ def run_dir(tmp_path):
         os.kill(int(pid), signal.SIGKILL)
 
 
-def interrupt_in_step_2(run_dir, extra=()):
+def interrupt_in_step_2(run_dir, extra=(), config="configs/demo_cpu.yaml"):
     """Start a run, SIGTERM it early in step 2, wait for every process to exit; check the give-up.
     Returns (seconds from the signal to: the leader's decision, the commit marker, the exit; output)."""
-    proc = start(run_dir, extra)
+    proc = start(run_dir, extra, config)
     deadline = time.monotonic() + 300
     while finished_steps(run_dir) < 1 and proc.poll() is None:
         assert time.monotonic() < deadline, "step 1 never finished"
