@@ -12,7 +12,9 @@ P(eos) ~ --eos-rate per token: near-geometric lengths (an exponential tail, capp
 read from the per-rank timelines: first rollout-group phase start (engine resume or generation)
 to the last GenRM `reward` phase end. Modes take turns. colocate generates the whole batch, then
 GenRM scores it; partial streams chunks of `rollout.stream_chunk` samples so scoring overlaps
-generation on the other core. Prints a rich table, writes bench/results/placement_overlap.json.
+generation on the other core, or (`rollout.streaming=finished_groups`) generates the whole wave in
+one engine call and streams each group as soon as its samples finish. Prints a rich table, writes
+bench/results/placement_overlap.json.
 Target: partial >= 30% shorter than colocate.
 """
 from __future__ import annotations
@@ -37,21 +39,13 @@ NOTES = ("Tiny random policy/judge with a tuned eos rate (lengths above); 4 rank
 
 
 def build_models(root: Path, eos_rate: float) -> dict[str, str]:
-    import torch
+    from yatt_hpc.data.tiny_models import char_gpt2, save_char_model, set_eos_rate
 
-    from yatt_hpc.data.tiny_models import char_gpt2, save_char_model
-    from yatt_hpc.data.tokenizer import CharTokenizer
-
-    tok = CharTokenizer()
     out = {}
     for seed, name in enumerate(("policy", "judge")):
         model = char_gpt2(n_embd=64, n_positions=512, seed=seed)
         if name == "policy":
-            with torch.no_grad():  # eos logit ~ log(rate * (V-1) / (1-rate)) on average: a chosen mean length
-                hidden = model.transformer(torch.randint(4, tok.vocab_size, (64, 64))).last_hidden_state.reshape(-1, 64)
-                direction = hidden.mean(0) / hidden.mean(0).norm()
-                logit = np.log(eos_rate * (tok.vocab_size - 1) / (1 - eos_rate))
-                model.transformer.wte.weight[tok.eos_id] = direction * logit / float((hidden @ direction).mean())
+            set_eos_rate(model, eos_rate)
         out[name] = save_char_model(model, root / name)
     return out
 
@@ -72,11 +66,15 @@ def step_spans(run_dir: Path) -> tuple[dict[int, float], dict[int, float]]:
     return {s: last[s] - first[s] for s in first if s in last}, dict(balance)
 
 
-def run_once(mode: str, chunk: int, models: dict, args, root: Path, i: int) -> dict:
+def run_once(mode: str, chunk: int | str, models: dict, args, root: Path, i: int) -> dict:
     run_dir = root / f"{mode}-{chunk}-{i}"
     sets = {"model.path": models["policy"], "reward.genrm_path": models["judge"], "train.steps": args.steps,
-            "rollout.max_new_tokens": args.max_new_tokens, "placement.mode": mode, "rollout.stream_chunk": chunk,
-            "checkpoint.interval": 0, "logging.tensorboard": False, "logging.progress": False, "train.kl_coef": 0.0}
+            "rollout.max_new_tokens": args.max_new_tokens, "placement.mode": mode, "checkpoint.interval": 0,
+            "logging.tensorboard": False, "logging.progress": False, "train.kl_coef": 0.0}
+    if chunk == "finished":  # the whole wave in one engine call, each group streamed when it finishes
+        sets["rollout.streaming"] = "finished_groups"
+    else:
+        sets["rollout.stream_chunk"] = chunk
     argv = [str(Path(PYTHON).parent / "yatt-hpc"), "run", "configs/demo_cpu.yaml", "--run-dir", str(run_dir)]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
@@ -116,7 +114,7 @@ def main() -> None:
     ap.add_argument("--eos-rate", type=float, default=0.02, help="per-token P(eos) of the policy")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     args = ap.parse_args()
-    variants = [("colocate", 8)] + [("partial", c) for c in args.chunks]
+    variants = [("colocate", 8)] + [("partial", c) for c in args.chunks] + [("partial", "finished")]
     with tempfile.TemporaryDirectory(prefix="placement_") as tmp:
         models = build_models(Path(tmp) / "models", args.eos_rate)
         lengths = length_profile(models["policy"], args.max_new_tokens)
@@ -124,7 +122,8 @@ def main() -> None:
         for i in range(args.repeats):  # modes take turns so load changes hit them alike
             for mode, chunk in variants:
                 runs[(mode, chunk)].append(run_once(mode, chunk, models, args, Path(tmp), i))
-    label = {v: v[0] if v[0] == "colocate" else f"partial (stream_chunk {v[1]})" for v in variants}
+    label = {v: v[0] if v[0] == "colocate" else "partial (finished groups)" if v[1] == "finished"
+             else f"partial (stream_chunk {v[1]})" for v in variants}
     # per run: median over its measured steps; spread over runs
     span = {v: spread([np.median(r["span_s"]) for r in runs[v]]) for v in variants}
     step = {v: spread([np.median(r["step_s"]) for r in runs[v]]) for v in variants}

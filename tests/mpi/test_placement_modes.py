@@ -68,3 +68,32 @@ def test_mode_runs_and_scores_every_sample_once(mpirun, tiny_models, tmp_path, m
             first_score = min(p[2] for p in mine if p[0] == "genrm")
             last_generated = max(p[3] for p in mine if p[0] == "rollout")
             assert first_score < last_generated, "GenRM must score while rollout still generates"
+
+
+@pytest.fixture(scope="module")
+def long_tail_models(tiny_models, tmp_path_factory):
+    """A policy whose responses end with P(eos) ~ 8% per token (lengths from 1 to the cap) and the tiny judge."""
+    from yatt_hpc.data.tiny_models import char_gpt2, save_char_model, set_eos_rate
+
+    model = char_gpt2(n_embd=32, n_positions=128, seed=0)
+    set_eos_rate(model, 0.08)
+    return {"policy": save_char_model(model, tmp_path_factory.mktemp("long_tail") / "policy"),
+            "judge": tiny_models["judge"]}
+
+
+def test_finished_groups_are_scored_while_the_long_tail_still_decodes(mpirun, long_tail_models, tmp_path):
+    extra = ("--set", "rollout.streaming=finished_groups", "--set", "rollout.max_new_tokens=64")
+    proc = run_mode(tmp_path, long_tail_models, "partial", extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rollout/generated"] == r["reward/scored"] == PROMPTS * N
+        assert r["train/rollout_logp_diff_max"] < 1e-4
+    phases = heavy_phases(tmp_path)
+    for step in (0, 1):
+        rollout = [p for p in phases if p[1] == step and p[0] == "rollout"]
+        scoring = [p for p in phases if p[1] == step and p[0] == "genrm"]
+        assert len(rollout) == 1, "the whole wave is one engine call"
+        # groups reach GenRM one by one as they finish, the first long before the last sample
+        assert len(scoring) > 1 and scoring[0][2] < rollout[0][3], (rollout, scoring)

@@ -208,6 +208,36 @@ def test_generate_refuses_to_run_between_buckets_of_one_version(model_dir):
         engine.generate(_requests(count=1))
 
 
+def test_on_result_reports_each_request_once_as_it_finishes(engine):
+    requests = _requests(count=32, max_new_tokens=32)
+    seen: list[tuple[int, int]] = []  # (sample id, finished rows when it was reported)
+    results = engine.generate(requests, on_result=lambda r: seen.append((r.sample_id, len(seen))))
+    assert sorted(i for i, _ in seen) == [q.sample_id for q in requests], "each result exactly once"
+    by_id = {r.sample_id: r for r in results}
+    order = [i for i, _ in seen]
+    # one micro-batch: rows come out in the order they finish, shorter responses first
+    lengths = [len(by_id[i].response_ids) for i in order]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1], lengths
+    # and the streamed results are the ones returned, equal to a run without the callback
+    plain = engine.generate(requests)
+    for a, b in zip(plain, results):
+        np.testing.assert_array_equal(a.response_ids, b.response_ids)
+        assert a.finish_reason == b.finish_reason
+
+
+def test_on_result_reports_aborted_rows_at_the_end(model_dir):
+    requests = _requests(count=4, max_new_tokens=4000)
+    with build_engine("hf", model_dir, device="cpu", tp_size=1, seed=0, stop_token_ids=[]) as engine:
+        seen: list = []
+        worker = threading.Thread(target=lambda: engine.generate(requests, on_result=seen.append))
+        worker.start()
+        while worker.is_alive():
+            engine.abort()
+            time.sleep(0.01)
+        worker.join()
+    assert sorted(r.sample_id for r in seen) == [0, 1, 2, 3] and {r.finish_reason for r in seen} == {"abort"}
+
+
 def test_abort_from_another_thread_returns_partial_aborted_results(model_dir):
     requests = _requests(count=4, max_new_tokens=4000)
     with build_engine("hf", model_dir, device="cpu", tp_size=1, seed=0, stop_token_ids=[]) as engine:

@@ -119,6 +119,12 @@ class RolloutConfig(Section):
     """In `partial` and `disjoint` placement, samples are generated and streamed to GenRM in chunks
     of this many, rounded down to whole prompt groups (at least one), so scoring overlaps generation
     (`colocate` sends each replica's batch whole)."""
+    streaming: Literal["chunks", "finished_groups"] = "chunks"
+    """What a rollout rank streams to GenRM in `partial`/`disjoint`: `chunks` generates stream_chunk
+    samples at a time, in sample-id order; `finished_groups` hands the engine the whole wave at once
+    and sends each prompt group the moment its last sample finishes, so scoring overlaps the long
+    tail without cutting the engine's batch (which groups finish first depends on the responses:
+    with over-dispatch, which prompts make a step then depends on timing too)."""
     stream_queue: int = Field(4, ge=1)
     """Chunks a rollout rank may have in flight to GenRM before it waits (backpressure)."""
     over_dispatch_ratio: float = Field(1.0, ge=1.0, le=4.0)

@@ -9,6 +9,7 @@ and never sees a sample it is not generating. See `trainer_ctl` for the whole da
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 
 import numpy as np
@@ -36,7 +37,7 @@ from yatt_hpc.control.wire import (
     send_ints,
     wait_for_message,
 )
-from yatt_hpc.rollout import GenerationRequest, build_engine
+from yatt_hpc.rollout import GenerationRequest, GenerationResult, build_engine
 
 log = logging.getLogger(__name__)
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
@@ -48,6 +49,7 @@ class RolloutController(BaseController):
         self.routes = Routes(world.plan)
         self.colocate = world.plan.mode == "colocate"
         self.handshake = cfg.rollout.over_dispatch_ratio > 1.0  # STOP/END with GenRM (over-dispatch)
+        self.streaming = cfg.rollout.streaming == "finished_groups" and not self.colocate
         self.gate = PhaseGate(world.comm, enabled=self.colocate)
         device = "cuda" if world.plan.group("rollout").devices_per_task else "cpu"
         self.engine = build_engine(cfg.rollout.engine, cfg.model.path, device=device,
@@ -83,23 +85,24 @@ class RolloutController(BaseController):
             with self.stats.phase("resume"):
                 self.engine.resume_memory()
         # colocate: the whole batch, then GenRM takes the devices; otherwise stream chunks of whole
-        # groups so that scoring overlaps generation (bounded by stream_queue chunks in flight). In
-        # colocation every send must be in flight before the gate, where GenRM starts receiving.
+        # groups so that scoring overlaps generation (bounded by stream_queue chunks in flight), or,
+        # with rollout.streaming=finished_groups, the whole wave in one engine call and each group
+        # the moment its samples are done. In colocation every send must be in flight before the
+        # gate, where GenRM starts receiving.
         n = self.cfg.rollout.samples_per_prompt
+        whole = self.colocate or self.streaming
         work = RolloutWork(prompts.owner, prompts.prompt_id,
-                           max(len(prompts), 1) if self.colocate else max(1, self.cfg.rollout.stream_chunk // n))
+                           max(len(prompts), 1) if whole else max(1, self.cfg.rollout.stream_chunk // n))
         sender = StreamSender(self.world.comm, max(len(work.assigned), 1) if self.colocate else self.cfg.rollout.stream_queue)
         generated = released = 0
         while (index := self.next_chunk(work)) is not None:
-            with self.stats.phase("rollout"):
-                done = self.generate_watching(prompts.select(index), work)
-            for owner in np.unique(done.owner):
-                if int(owner) in work.stopped:  # its target was met while this chunk ran: dropped
-                    continue
-                part = done.select(np.flatnonzero(done.owner == owner))
-                sender.send(self.genrm_of(int(owner)), TAG_SAMPLES, part)
-                work.mark_sent(int(owner), len(part))
-                generated += len(part)
+            if self.streaming:
+                with self.stats.phase("rollout"):
+                    generated += self.generate_streaming(prompts.select(index), work, sender)
+            else:
+                with self.stats.phase("rollout"):
+                    done = self.generate_watching(prompts.select(index), work)
+                generated += self.send_parts(done, work, sender)
             self.stats.hold(-len(index))
             released += len(index)
         self.stats.hold(released - len(prompts))  # groups dropped before they were generated
@@ -112,6 +115,74 @@ class RolloutController(BaseController):
             self.stop_owner(work, int(recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_STOP)[0][0]))
         self.gate.cross("scored")
         return generated
+
+    def send_parts(self, done: SampleBatch, work: RolloutWork, sender: StreamSender) -> int:
+        """Each owner's generated samples to its GenRM rank, unless its target was met meanwhile."""
+        sent = 0
+        for owner in np.unique(done.owner):
+            if int(owner) in work.stopped:  # its target was met while this chunk ran: dropped
+                continue
+            part = done.select(np.flatnonzero(done.owner == owner))
+            sender.send(self.genrm_of(int(owner)), TAG_SAMPLES, part)
+            work.mark_sent(int(owner), len(part))
+            sent += len(part)
+        return sent
+
+    def generate_streaming(self, chunk: SampleBatch, work: RolloutWork, sender: StreamSender) -> int:
+        """`rollout.streaming=finished_groups`: one engine call for the chunk; a helper thread sends
+        each prompt group to its GenRM rank as soon as the engine reports its last sample finished
+        (and, with over-dispatch, takes the STOPs, aborting the engine once every owner is stopped).
+        While the engine runs only the helper talks MPI. Returns the samples sent."""
+        n = self.cfg.rollout.samples_per_prompt
+        row_of = {int(sid): i for i, sid in enumerate(chunk.sample_id)}
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        owners = {int(o) for o in np.unique(chunk.owner)}
+        sent, failure = [0], []
+
+        def send_group(results: list[GenerationResult]) -> None:
+            part = self.fill(chunk.select(np.array(sorted(row_of[r.sample_id] for r in results))),
+                             {r.sample_id: r for r in results})
+            owner = int(part.owner[0])
+            if owner not in work.stopped:
+                sender.send(self.genrm_of(owner), TAG_SAMPLES, part)
+                work.mark_sent(owner, len(part))
+                sent[0] += len(part)
+
+        def pump() -> None:
+            groups: dict[int, list[GenerationResult]] = {}
+            try:
+                while True:
+                    try:  # wake now and then without a finished sample: STOPs arrive meanwhile
+                        result = finished.get(timeout=0.005)
+                    except queue.Empty:
+                        result = False
+                    if result is None:  # the engine call returned and every result was taken
+                        return
+                    if result:
+                        group = groups.setdefault(int(chunk.prompt_id[row_of[result.sample_id]]), [])
+                        group.append(result)
+                        if len(group) == n:
+                            send_group(group)
+                    while self.handshake and self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STOP):
+                        self.stop_owner(work, int(recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_STOP)[0][0]))
+                    if self.handshake and owners <= work.stopped:
+                        self.engine.abort()
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the loop thread below
+                failure.append(exc)
+                self.engine.abort()
+                while finished.get() is not None:  # let the engine call finish
+                    pass
+
+        helper = threading.Thread(target=pump, name="group-streamer", daemon=True)
+        helper.start()
+        try:
+            self.engine.generate(self.requests(chunk), on_result=finished.put)
+        finally:
+            finished.put(None)
+            helper.join()
+        if failure:
+            raise failure[0]
+        return sent[0]
 
     def genrm_of(self, owner: int) -> int:
         return self.routes.genrm_for(self.routes.trainer_coords(owner)["dp"])
@@ -140,12 +211,17 @@ class RolloutController(BaseController):
             self.stop_owner(work, owner)
         return done
 
-    def generate(self, prompts: SampleBatch) -> SampleBatch:
+    def requests(self, prompts: SampleBatch) -> list[GenerationRequest]:
         rc = self.cfg.rollout
-        requests = [GenerationRequest(sample_id=int(sid), prompt_ids=p, max_new_tokens=rc.max_new_tokens,
-                                      temperature=rc.temperature, top_p=rc.top_p)
-                    for sid, p in zip(prompts.sample_id, prompts.ragged("prompt_tokens"))]
-        results = {r.sample_id: r for r in self.engine.generate(requests)}
+        return [GenerationRequest(sample_id=int(sid), prompt_ids=p, max_new_tokens=rc.max_new_tokens,
+                                  temperature=rc.temperature, top_p=rc.top_p)
+                for sid, p in zip(prompts.sample_id, prompts.ragged("prompt_tokens"))]
+
+    def generate(self, prompts: SampleBatch) -> SampleBatch:
+        return self.fill(prompts, {r.sample_id: r for r in self.engine.generate(self.requests(prompts))})
+
+    def fill(self, prompts: SampleBatch, results: dict[int, GenerationResult]) -> SampleBatch:
+        """The prompt rows with their generated responses, logprobs and finish codes."""
         ordered = [results[int(sid)] for sid in prompts.sample_id]
         prompts.response_len = np.array([len(r.response_ids) for r in ordered], np.int32)
         prompts.response_tokens = np.concatenate([r.response_ids for r in ordered]).astype(np.int32)

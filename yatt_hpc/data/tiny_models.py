@@ -4,6 +4,7 @@ benchmarks and `tools/make_demo_models.py` share.
     model = char_gpt2(n_embd=32, n_positions=64, seed=0)     # random weights
     save_char_model(model, Path("out/policy"))                # safetensors + tokenizer files
     dirs = save_random_pair(Path("out"), n_embd=32)           # {"policy": ..., "judge": ...}
+    set_eos_rate(model, 0.02)        # P(eos) ~ 2% per token: near-geometric (long-tail) response lengths
 
 Dropout is off (the RL loop compares trainer and rollout log-probs of the same weights) and the
 embeddings are tied, as in the committed demo models.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from yatt_hpc.data.tokenizer import CharTokenizer
@@ -42,3 +44,17 @@ def save_random_pair(root: Path, **shape) -> dict[str, str]:
     """A random policy (seed 0) and judge (seed 1) of the same shape under `root`."""
     return {name: save_char_model(char_gpt2(seed=seed, **shape), Path(root) / name)
             for seed, name in enumerate(("policy", "judge"))}
+
+
+def set_eos_rate(model, eos_rate: float, seed: int = 0) -> None:
+    """Push the end-of-sequence embedding along the mean final hidden state so that P(eos) is about
+    `eos_rate` per token: response lengths then follow a near-geometric (exponential-tail) law."""
+    tok = CharTokenizer()
+    width = model.config.n_embd
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        tokens = torch.randint(4, tok.vocab_size, (64, 64), generator=generator)
+        hidden = model.transformer(tokens).last_hidden_state.reshape(-1, width)
+        direction = hidden.mean(0) / hidden.mean(0).norm()
+        logit = np.log(eos_rate * (tok.vocab_size - 1) / (1 - eos_rate))  # vs the other tokens' ~0 logits
+        model.transformer.wte.weight[tok.eos_id] = direction * logit / float((hidden @ direction).mean())

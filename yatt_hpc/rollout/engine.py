@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 import difflib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -156,8 +156,13 @@ class BaseEngine(abc.ABC):
                                "bucket, so the weights mix two versions")
 
     @abc.abstractmethod
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Sample one response per request; results come back in request order. Blocks until done."""
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_result: Callable[[GenerationResult], None] | None = None) -> list[GenerationResult]:
+        """Sample one response per request; results come back in request order. Blocks until done.
+
+        ``on_result`` (called on the generating thread) gets each result as soon as its request is
+        finished, so a caller can pass finished samples on while the rest still decode; every
+        result is reported exactly once, before ``generate`` returns."""
 
     @abc.abstractmethod
     def abort(self) -> None:

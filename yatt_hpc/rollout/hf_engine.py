@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -130,7 +130,10 @@ class HFEngine(BaseEngine):
 
     # -- generation ---------------------------------------------------------------------------------
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_result: Callable[[GenerationResult], None] | None = None) -> list[GenerationResult]:
+        """Micro-batches of up to max_batch_size requests (shortest prompts first); ``on_result`` gets
+        a row at the decode step it finishes (the micro-batch goes on decoding the others)."""
         self._check_ready()
         for request in requests:
             self._check_request(request)
@@ -143,7 +146,7 @@ class HFEngine(BaseEngine):
             results: list[GenerationResult | None] = [None] * len(requests)
             for start in range(0, len(order), self._max_batch_size):
                 chunk = order[start : start + self._max_batch_size]
-                for i, result in zip(chunk, self._generate_batch([requests[i] for i in chunk])):
+                for i, result in zip(chunk, self._generate_batch([requests[i] for i in chunk], on_result)):
                     results[i] = result
             return results  # type: ignore[return-value]
         finally:
@@ -158,7 +161,8 @@ class HFEngine(BaseEngine):
                 self._abort.set()
 
     @torch.inference_mode()
-    def _generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def _generate_batch(self, requests: list[GenerationRequest],
+                        on_result: Callable[[GenerationResult], None] | None = None) -> list[GenerationResult]:
         device, rows = self._device, len(requests)
         input_ids, mask = self._left_pad([r.prompt_ids for r in requests])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -174,6 +178,15 @@ class HFEngine(BaseEngine):
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         cache = DynamicCache(config=self._model.config)
         stop_ids = self._stop_ids.to(device)
+        results: list[GenerationResult | None] = [None] * rows
+
+        def report(finished: torch.Tensor) -> None:
+            for i in finished.nonzero().flatten().tolist():
+                results[i] = self._result(requests[i], tokens[i, : length[i]], logprobs[i, : length[i]],
+                                          bool(stopped[i]), bool(done[i]))
+                if on_result is not None:
+                    on_result(results[i])
+
         for step in range(steps):
             if self._abort.is_set():
                 break
@@ -181,16 +194,17 @@ class HFEngine(BaseEngine):
             tokens[:, step], logprobs[:, step] = sample_next_tokens(logits, temperature, top_p, uniforms[:, step])
             length += (~done).long()
             stopped |= ~done & torch.isin(tokens[:, step], stop_ids)
+            was_done = done.clone()
             done |= stopped | (length >= limit)
+            if on_result is not None:
+                report(done & ~was_done)
             if bool(done.all()):
                 break
             input_ids = tokens[:, step : step + 1]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
-        return [
-            self._result(r, tokens[i, : length[i]], logprobs[i, : length[i]], bool(stopped[i]), bool(done[i]))
-            for i, r in enumerate(requests)
-        ]
+        report(torch.tensor([r is None for r in results]))  # the rest: all of them without on_result, or aborted
+        return results  # type: ignore[return-value]
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         kwargs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}

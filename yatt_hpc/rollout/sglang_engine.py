@@ -36,7 +36,7 @@ import glob
 import json
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -160,7 +160,10 @@ class SGLangEngine(BaseEngine):
 
     # -- generation ---------------------------------------------------------------------------------
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest],
+                 on_result: Callable[[GenerationResult], None] | None = None) -> list[GenerationResult]:
+        """``on_result`` is called for every result once the whole call is done: the offline batch API
+        returns them together (SGLang's streaming API would report each request as it finishes)."""
         self._check_ready()
         if not requests:
             return []
@@ -176,7 +179,10 @@ class SGLangEngine(BaseEngine):
         finally:
             with self._lock:
                 self._in_flight = False
-        return [result_from_sglang_output(r, out, self._version) for r, out in zip(requests, outputs)]
+        results = [result_from_sglang_output(r, out, self._version) for r, out in zip(requests, outputs)]
+        for result in results if on_result is not None else ():
+            on_result(result)
+        return results
 
     def _sampling_params(self, request: GenerationRequest) -> dict:
         params = {"max_new_tokens": request.max_new_tokens, "temperature": request.temperature, "top_p": request.top_p}
