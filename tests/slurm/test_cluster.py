@@ -52,7 +52,7 @@ def test_het_job_three_components_form_one_world(slurm_cluster, tmp_path):
     srun = "srun --mpi=pmix --kill-on-bad-exit=1 --het-group=0-2"
     script = _script(header, srun, out) + " --set placement.mode=disjoint"
     job = sbatch(script, tmp_path)
-    states = wait_job(job, poll_s=1, timeout_s=180)  # each het component: N+0, N+1, N+2
+    states = wait_job(job, poll_s=1, timeout_s=180, components=3)
     log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert all(states[f"{job}+{i}"] == "COMPLETED" for i in range(3)), (states, log)
     reps = _reports(out)

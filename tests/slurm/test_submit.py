@@ -49,7 +49,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_disjoint_submit_is_a_three_component_het_job_forming_one_world(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     sub = _submit_probe(run_dir, "placement.mode=disjoint")
-    states = wait_job(sub.job_id, poll_s=1, timeout_s=120)
+    states = wait_job(sub.job_id, poll_s=1, timeout_s=120, components=3)
     assert states == {f"{sub.job_id}+{i}": "COMPLETED" for i in range(3)}, (states, _log(run_dir))
     reps = _reports(run_dir)
     assert [r["group"] for r in reps] == ["trainer", "trainer", "rollout", "genrm"], _log(run_dir)
@@ -76,7 +76,7 @@ def test_a_crashing_rank_takes_the_job_down_fast_and_is_named(slurm_cluster, tmp
     run_dir = tmp_path / "run"
     sub = _submit_probe(run_dir, "placement.mode=disjoint", "slurm.env.YATT_PROBE_CRASH_RANK=2",
                         "slurm.env.YATT_PROBE_SLEEP=2")
-    states = wait_job(sub.job_id, poll_s=1, timeout_s=120)
+    states = wait_job(sub.job_id, poll_s=1, timeout_s=120, components=3)
     assert set(states.values()) == {"FAILED"}, states
     summary = json.loads(next((run_dir / "logs").glob(f"summary_{sub.job_id}_*.json")).read_text())
     assert summary["seconds"] < 30, summary
@@ -101,7 +101,7 @@ def test_status_logs_and_cancel_on_a_live_job(slurm_cluster, tmp_path):
         assert _cli("logs", sub.job_id, "--group", "genrm").returncode == 0
         cancel = _cli("cancel", sub.job_id)
         assert cancel.returncode == 0 and f"cancelled job {sub.job_id}" in cancel.stdout, cancel.stderr
-        states = wait_job(sub.job_id, poll_s=1, timeout_s=120)
+        states = wait_job(sub.job_id, poll_s=1, timeout_s=120, components=3)
         assert set(states.values()) == {"CANCELLED"}, states
     finally:
         subprocess.run(["scancel", sub.job_id])

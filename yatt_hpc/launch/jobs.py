@@ -134,8 +134,12 @@ def top_states(job: str) -> dict[str, str]:
     return {r.job_id: r.state for r in job_rows(job) if "." not in r.job_id}
 
 
-def wait_job(job: str, poll_s: float = 2.0, on_change=None, timeout_s: float | None = None) -> dict[str, str]:
-    """Block until the job left the queue and sacct shows every component final; return those states."""
+def wait_job(job: str, poll_s: float = 2.0, on_change=None, timeout_s: float | None = None,
+             components: int = 0) -> dict[str, str]:
+    """Block until the job left the queue and sacct shows every component final; return those states.
+
+    ``components``: the job is heterogeneous with that many components; wait until sacct lists each
+    of N+0, N+1, ... (right after a het job ends sacct can show a plain N, final, for a few polls)."""
     last: dict[str, str] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while deadline is None or time.monotonic() < deadline:
@@ -145,7 +149,8 @@ def wait_job(job: str, poll_s: float = 2.0, on_change=None, timeout_s: float | N
         if states != last and on_change:
             on_change(states)
         last = states
-        if settled and not queued and states and all(s in FINAL for s in states.values()):
+        listed = all(f"{job}+{i}" in states for i in range(components))
+        if settled and listed and not queued and states and all(s in FINAL for s in states.values()):
             return states
         time.sleep(poll_s)
     raise JobError(f"job {job} did not finish within {timeout_s:.0f} s (states: {last}); "

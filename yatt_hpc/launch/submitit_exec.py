@@ -28,7 +28,7 @@ from yatt_hpc.config import RunConfig
 from yatt_hpc.launch.jobs import SlurmError, SlurmUnavailable, require_slurm, wait_job
 from yatt_hpc.launch.launcher import Launcher, RunSummary
 from yatt_hpc.launch.local import prepare_run_dir
-from yatt_hpc.launch.sbatch import render_sbatch, time_minutes
+from yatt_hpc.launch.sbatch import component_flags, render_sbatch, time_minutes
 from yatt_hpc.placement import Plan
 
 
@@ -120,8 +120,10 @@ def submit_command(cfg: RunConfig, plan: Plan, run_dir: Path, wait: bool, echo: 
     echo(f"  status:    yatt-hpc status {sub.job_id}    logs: yatt-hpc logs {sub.job_id} --follow")
     if not wait:
         return 0
+    het = len(component_flags(cfg, plan))
     states = wait_job(sub.job_id, on_change=lambda st: echo(
-        f"job {sub.job_id}: " + ", ".join(f"{k} {v}" for k, v in sorted(st.items()))))
+        f"job {sub.job_id}: " + ", ".join(f"{k} {v}" for k, v in sorted(st.items()))),
+        components=het if het > 1 else 0)
     summary = latest_summary(logs, sub.job_id)
     if all(s == "COMPLETED" for s in states.values()):
         echo(f"job {sub.job_id} completed" + (f": {summary}" if summary else ""))
