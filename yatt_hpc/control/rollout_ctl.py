@@ -163,8 +163,7 @@ class RolloutController(BaseController):
                         group.append(result)
                         if len(group) == n:
                             send_group(group)
-                    while self.handshake and self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STOP):
-                        self.stop_owner(work, int(recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_STOP)[0][0]))
+                    self.take_stops(work)
                     if self.handshake and owners <= work.stopped:
                         self.engine.abort()
             except BaseException as exc:  # noqa: BLE001 - re-raised on the loop thread below
@@ -189,9 +188,13 @@ class RolloutController(BaseController):
 
     def next_chunk(self, work: RolloutWork) -> np.ndarray | None:
         """Take any STOP that arrived (no waiting), then the next chunk of groups still wanted."""
+        self.take_stops(work)
+        return work.next_chunk()
+
+    def take_stops(self, work: RolloutWork) -> None:
+        """Every STOP that has arrived (no waiting; none without over-dispatch), each answered END."""
         while self.handshake and self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STOP):
             self.stop_owner(work, int(recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_STOP)[0][0]))
-        return work.next_chunk()
 
     def stop_owner(self, work: RolloutWork, owner: int) -> None:
         """STOP for a replica: drop what is left of its work and tell its GenRM rank what was sent."""

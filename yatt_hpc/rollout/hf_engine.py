@@ -194,10 +194,10 @@ class HFEngine(BaseEngine):
             tokens[:, step], logprobs[:, step] = sample_next_tokens(logits, temperature, top_p, uniforms[:, step])
             length += (~done).long()
             stopped |= ~done & torch.isin(tokens[:, step], stop_ids)
-            was_done = done.clone()
-            done |= stopped | (length >= limit)
+            ended = ~done & (stopped | (length >= limit))  # the rows that finish at this step
+            done |= ended
             if on_result is not None:
-                report(done & ~was_done)
+                report(ended)
             if bool(done.all()):
                 break
             input_ids = tokens[:, step : step + 1]
