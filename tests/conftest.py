@@ -79,3 +79,46 @@ def one_rank_world():
     mm.initialize_model_parallel(0, 1, "127.0.0.1", port, tp_size=1, seed=0)
     yield parallel_state.get_tensor_model_parallel_group()
     mm.destroy_model_parallel()
+
+
+class SmallDisk:
+    """Real tmpfs mounts of a chosen size (and inode count): a disk that really fills up."""
+
+    def __init__(self) -> None:
+        self.mounted: list[Path] = []
+
+    def mount(self, where: Path, size: str, inodes: int | None = None) -> Path:
+        where.mkdir(parents=True, exist_ok=True)
+        self._run(["mount", "-t", "tmpfs", "-o", self._options(size, inodes), "tmpfs", str(where)], where)
+        self.mounted.append(where)
+        return where
+
+    def grow(self, where: Path, size: str, inodes: int | None = None) -> None:
+        """Make room, keeping what is on it (`mount -o remount`)."""
+        self._run(["mount", "-o", "remount," + self._options(size, inodes), str(where)], where)
+
+    @staticmethod
+    def _options(size: str, inodes: int | None) -> str:
+        return f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
+
+    @staticmethod
+    def _run(cmd: list[str], where: Path) -> None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs at {where} ({' '.join(cmd)}: {proc.stderr.strip()}); "
+                        "the disk-full tests need CAP_SYS_ADMIN")
+
+    def unmount_all(self) -> None:
+        for where in reversed(self.mounted):
+            if subprocess.run(["umount", str(where)], capture_output=True, check=False).returncode != 0:
+                subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
+
+
+@pytest.fixture
+def small_disk():
+    """Mount small tmpfs file systems (root only: CI runs the tests as root); unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("the disk-full tests mount a small tmpfs, which needs root (CI runs the tests as root)")
+    disk = SmallDisk()
+    yield disk
+    disk.unmount_all()

@@ -42,21 +42,6 @@ def test_sbatch_srun_pmix_world_across_two_nodes(slurm_cluster, tmp_path):
     assert reps[0]["heard"] == {"rollout": 2, "genrm": 3}
 
 
-def test_het_job_three_components_form_one_world(slurm_cluster, tmp_path):
-    """Disjoint placement: one het component per group, one MPMD step, one MPI_COMM_WORLD."""
-    out = tmp_path / "out"
-    out.mkdir()
-    header = ("#SBATCH --job-name=yatt-test-het\n#SBATCH --time=5\n#SBATCH --output=slurm-%j.out\n"
-              "#SBATCH --nodes=1 --ntasks-per-node=2\n#SBATCH hetjob\n#SBATCH --nodes=1 --ntasks-per-node=1\n"
-              "#SBATCH hetjob\n#SBATCH --nodes=1 --ntasks-per-node=1")
-    srun = "srun --mpi=pmix --kill-on-bad-exit=1 --het-group=0-2"
-    script = _script(header, srun, out) + " --set placement.mode=disjoint"
-    job = sbatch(script, tmp_path)
-    states = wait_job(job, poll_s=1, timeout_s=180, components=3)
-    log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
-    assert all(states[f"{job}+{i}"] == "COMPLETED" for i in range(3)), (states, log)
-    reps = _reports(out)
-    assert [r["group"] for r in reps] == ["trainer", "trainer", "rollout", "genrm"], log
-    nodes = {g: {r["node"] for r in reps if r["group"] == g} for g in ("trainer", "rollout", "genrm")}
-    assert len(set.union(*nodes.values())) == 3, f"each component on its own node: {nodes}"
-    assert reps[3]["heard"] == {"trainer": 0, "rollout": 2}
+# A heterogeneous step is tested through the launcher (tests/slurm/test_submit.py): a bare
+# `srun --mpi=pmix --het-group=...` can wait forever after its ranks exit on Slurm < 24.11
+# (SchedMD ticket 16817), which only the launcher's StepWatch bounds.

@@ -11,8 +11,12 @@ Sequence (the leader is one rank of ``comm``; every other rank only writes its o
                 write state.h5 (records + manifest) -> fsync -> fsync dir
                 rename step-N.incomplete -> step-N -> fsync checkpoints/
                 write COMMITTED (temp, fsync, rename, fsync dir)   <- the commit point
+                   (fails? rename step-N back to step-N.incomplete: no step-N without its marker)
                 prune committed checkpoints beyond keep_last
     all ranks:  bcast the outcome; every rank raises the same CheckpointError on failure
+
+A full disk (ENOSPC/EDQUOT on any rank) is worded as such: where, how much is free, how much a
+checkpoint takes, the fix, and which committed step a rerun resumes from.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from yatt_hpc.ckpt import layout
-from yatt_hpc.ckpt.errors import CheckpointError
+from yatt_hpc.ckpt.errors import DISK_FULL, CheckpointError, describe_write_error, dir_size, free_space
 from yatt_hpc.ckpt.manifest import (
     FileEntry,
     digest_file,
@@ -75,7 +79,9 @@ def commit(comm, leader: int, ckpt_dir: Path, step: int, snap: RankState, shared
             outcome = _leader_commit(ckpt_dir, step, shared or SharedState(), payloads, keep_last)
         except Exception as err:
             log.exception("checkpoint step %d: commit failed on the leader", step)
-            outcome = f"leader: {type(err).__name__}: {err}"
+            outcome = f"leader: {describe_write_error(err)}"
+        if outcome and DISK_FULL in outcome:
+            outcome += disk_full_advice(ckpt_dir, step, keep_last)
     outcome = comm.bcast(outcome, root=leader)
     if outcome:
         raise CheckpointError(f"checkpoint step {step} was not committed: {outcome}")
@@ -103,11 +109,40 @@ def _leader_commit(ckpt_dir: Path, step: int, shared: SharedState, payloads, kee
         log.warning("checkpoint step %d already exists at %s; replacing it", step, final)
         shutil.rmtree(final)
     os.rename(inc, final)
-    fsync_dir(ckpt_dir)
-    write_marker(final, step, state_entry, created)
+    try:
+        fsync_dir(ckpt_dir)
+        write_marker(final, step, state_entry, created)
+    except BaseException:
+        _uncommit(final, inc)
+        raise
     log.info("checkpoint step %d committed: %s (%d files)", step, final, len(entries) + 1)
     prune(ckpt_dir, keep_last, protect=step)
     return None
+
+
+def _uncommit(final: Path, inc: Path) -> None:
+    """The marker could not be written (e.g. no room even for it): make the directory an
+    ``.incomplete`` leftover again, so no ``step-N`` without its marker is ever left behind."""
+    try:
+        (final / f".{layout.COMMIT_MARKER}.tmp").unlink(missing_ok=True)
+        os.rename(final, inc)
+        fsync_dir(final.parent)
+    except OSError:
+        log.exception("could not move %s back to %s; it has no commit marker, so it is never loaded", final, inc)
+
+
+def disk_full_advice(ckpt_dir: Path, step: int, keep_last: int) -> str:
+    """The rest of a disk-full message: where, how much is free and needed, the fix, where a rerun resumes."""
+    latest = max((s.step for s in layout.list_steps(ckpt_dir) if s.committed), default=None)
+    where = f". Writing {layout.incomplete_dir(ckpt_dir, step)}: {free_space(ckpt_dir)}"
+    need = ""
+    if latest is not None:
+        need = (f"; checkpoint step {latest} takes {dir_size(layout.step_dir(ckpt_dir, latest))} and "
+                f"checkpoint.keep_last={keep_last} keeps {keep_last} of them plus the one being written")
+    resume = (f"it resumes from step {latest}, the latest committed checkpoint" if latest is not None
+              else "no checkpoint was committed yet, so it starts from step 0")
+    return (f"{where}{need}. Fix: free space on that filesystem (or copy the run directory to one with room "
+            f"and pass that --run-dir), then run the same command again: {resume}")
 
 
 def prune(ckpt_dir: Path, keep_last: int, protect: int | None = None) -> list[int]:

@@ -25,7 +25,7 @@ from typing import Self
 
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.commit import clean_incomplete, commit, write_rank_files
-from yatt_hpc.ckpt.errors import CheckpointError
+from yatt_hpc.ckpt.errors import CheckpointError, describe_write_error
 from yatt_hpc.ckpt.loader import Restored, find_latest, read_rank, read_weights
 from yatt_hpc.ckpt.state import SharedState
 from yatt_hpc.ckpt.writer import BackgroundWriter, RankState, Staging, snapshot
@@ -127,7 +127,7 @@ class CheckpointManager:
             entries = write_rank_files(layout.incomplete_dir(self.ckpt_dir, step), snap)
         except Exception as err:
             log.exception("checkpoint step %d: writing this rank's files failed", step)
-            error = f"{type(err).__name__}: {err}"
+            error = describe_write_error(err)
         if comm is None:  # no THREAD_MULTIPLE: the calling thread runs the collectives in wait()
             self._deferred = (step, snap, shared, entries, error)
             return

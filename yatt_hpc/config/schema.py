@@ -260,6 +260,10 @@ class SlurmConfig(Section):
     """Signal Slurm sends before the time limit or on preemption (`SIG@seconds`): the save-and-requeue trigger."""
     max_requeues: int = Field(3, ge=0)
     """Automatic requeues allowed after preemption or timeout."""
+    step_exit_timeout_s: float = Field(20.0, gt=0, le=3600)
+    """Longest the batch launcher waits for `srun` to return once every rank of the step has recorded its exit;
+    past it srun is ended and the job finishes with the ranks' own exit codes (Slurm before 24.11 can leave a
+    heterogeneous `--mpi=pmix` step's srun waiting forever: SchedMD ticket 16817)."""
     extra_flags: dict[Literal["trainer", "rollout", "genrm"], list[str]] = Field(default_factory=dict)
     """Extra `#SBATCH` flags per group, e.g. `{trainer: ["--constraint=h200"]}`."""
     env: dict[str, str] = Field(default_factory=dict)

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from yatt_hpc.config import load_config
 from yatt_hpc.control.preemption import stop_record_name
 from yatt_hpc.launch.commands import rank_hosts, render, srun_launch
 from yatt_hpc.launch.local import LaunchError, gave_up_step, launch_env, prepare_run_dir
+from yatt_hpc.launch.rank_group import EXIT_DIR_ENV
 from yatt_hpc.launch.slurm_env import SlurmEnv
 from yatt_hpc.placement import Plan, plan
 
@@ -52,6 +54,7 @@ class RunSummary:
     seconds: float
     failure: str | None
     launch: str
+    ended_srun: bool = False  # every rank had exited and srun had not returned: the launcher ended it
 
     def describe(self) -> str:
         head = f"job {self.job_id} start {self.restart_count}: {self.mode}, {self.world_size} ranks, " \
@@ -89,15 +92,20 @@ def launch_in_allocation(run_dir: Path, slurm: SlurmEnv, program: Sequence[str] 
         hostfile = run_dir / "logs" / f"hosts_{tag}"
         hostfile.write_text("\n".join(rank_hosts(p, expand_nodes(slurm.nodelist))) + "\n")
         env["SLURM_HOSTFILE"] = str(hostfile)
+    exits = run_dir / "logs" / f"exits_{tag}"
+    shutil.rmtree(exits, ignore_errors=True)  # a rerun of the same job start must not count old records
+    env[EXIT_DIR_ENV] = str(exits)
     _say(f"starting {p.world_size} ranks ({p.mode}): {render(argv)}")
     start = time.monotonic()
-    code, stderr_lines, signals = _run_step(argv, env, run_dir / "logs" / f"step_{tag}.err")
+    watch = StepWatch(exits, p.world_size, cfg.slurm.step_exit_timeout_s)
+    code, stderr_lines, signals = _run_step(argv, env, run_dir / "logs" / f"step_{tag}.err", watch)
     if code and gave_up_step(run_dir / "logs" / stop_record_name(slurm.job_id, slurm.restart_count)):
         _say(f"the step exited {code} after giving up a step with its checkpoint committed: a stop")
         code = 0
-    failure = first_failure(stderr_lines, p, _node_groups(p, slurm)) if code else None
+    failure = (first_failure(stderr_lines, p, _node_groups(p, slurm)) or record_failure(watch.records(), p)
+               if code else None)
     summary = RunSummary(slurm.job_id or "", slurm.restart_count, p.mode, p.world_size, code,
-                         round(time.monotonic() - start, 1), failure, render(argv))
+                         round(time.monotonic() - start, 1), failure, render(argv), watch.ended_srun)
     (run_dir / "logs" / f"summary_{tag}.json").write_text(json.dumps(asdict(summary), indent=1) + "\n")
     _say(summary.describe())
     if code == 0:
@@ -162,21 +170,92 @@ def first_failure(lines: Sequence[str], p: Plan, node_groups: Mapping[str, str] 
     return f"{where} on {m.group('node')}: {m.group('what').strip()}"
 
 
-def _run_step(argv: list[str], env: dict[str, str], stderr_path: Path) -> tuple[int, list[str], SignalLog]:
+def record_failure(records: Sequence[Mapping], p: Plan) -> str | None:
+    """Name the lowest rank whose exit record is not a clean exit (when stderr named nobody)."""
+    for rec in sorted(records, key=lambda r: r["rank"]):
+        if rec.get("signal") is not None or rec["code"]:
+            how = f"killed by signal {rec['signal']}" if rec.get("signal") is not None else f"exit code {rec['code']}"
+            return f"{p.group_of(rec['rank'])} (world rank {rec['rank']}) on {rec['node']}: {how}"
+    return None
+
+
+def _run_step(argv: list[str], env: dict[str, str], stderr_path: Path,
+              watch: StepWatch) -> tuple[int, list[str], SignalLog]:
     """Run srun with its stderr in a regular file, copied live into our stderr (the job log).
 
     Not a pipe: with srun's stderr on a pipe, heterogeneous steps on the dev cluster left srun hanging
-    after every rank had exited (2 of 14 runs; 0 of 22 with a file)."""
+    after every rank had exited more often. srun is not trusted to return: `watch` ends it once every
+    rank has recorded its exit and srun has not followed within the timeout."""
     with stderr_path.open("w") as sink:
         proc = subprocess.Popen(argv, env=env, stderr=sink)
         done = threading.Event()
         copier = threading.Thread(target=_copy_new_lines, args=(stderr_path, done), daemon=True)
         copier.start()
         with forward_signals(proc) as signals:
-            code = proc.wait()
+            code = watch.wait(proc)
         done.set()
         copier.join(timeout=10)
     return code, stderr_path.read_text(errors="replace").splitlines(keepends=True), signals
+
+
+class StepWatch:
+    """Wait for srun, but no longer than `timeout_s` after every rank has written its exit record.
+
+    The records (`rank_group.write_exit_record`, one per world rank, written by the task's shim after
+    the rank's process has exited) are the truth about the step; srun's return is only the usual way
+    to learn it. Slurm 22.05-24.05's mpi/pmix plugin starts one abort agent per heterogeneous
+    component over one shared thread handle and can then wait forever for one of them at the end of
+    the step (SchedMD ticket 16817, fixed in 24.11 by commit a2e9643): every rank has exited, srun has
+    not. Then srun is killed (its shepherd process cancels the step) and the exit code is the ranks'.
+    """
+
+    def __init__(self, directory: Path, world_size: int, timeout_s: float, poll_s: float = 0.5):
+        self.directory, self.world_size, self.timeout_s, self.poll_s = directory, world_size, timeout_s, poll_s
+        self.ended_srun = False
+
+    def records(self) -> list[dict]:
+        out = []
+        for path in sorted(self.directory.glob("rank-*.json")):
+            try:
+                out.append(json.loads(path.read_text()))
+            except (OSError, ValueError):  # written atomically: only a vanished dir gets here
+                continue
+        return out
+
+    def wait(self, proc: subprocess.Popen) -> int:
+        all_exited_at = None
+        while True:
+            try:
+                return proc.wait(timeout=self.poll_s)
+            except subprocess.TimeoutExpired:
+                pass
+            if all_exited_at is None:
+                if len(self.records()) >= self.world_size:
+                    all_exited_at = time.monotonic()
+                continue
+            if time.monotonic() - all_exited_at < self.timeout_s:
+                continue
+            return self._end_srun(proc)
+
+    def _end_srun(self, proc: subprocess.Popen) -> int:
+        code = ranks_exit_code(self.records())
+        _say(f"every one of the {self.world_size} ranks has exited (records in {self.directory}) but srun has not "
+             f"returned {self.timeout_s:g}s later (a known Slurm mpi/pmix hang at the end of heterogeneous steps, "
+             f"SchedMD ticket 16817, fixed in Slurm 24.11): ending srun; the step's exit code is the ranks' ({code})")
+        proc.kill()
+        proc.wait()
+        self.ended_srun = True
+        return code
+
+
+def ranks_exit_code(records: Sequence[Mapping]) -> int:
+    """The step's code from the ranks' records: 0 if all are 0, else the lowest rank's non-zero code
+    (a signal N counts as 128 + N, as a shell reports it)."""
+    for rec in sorted(records, key=lambda r: r["rank"]):
+        code = rec["code"] if rec.get("signal") is None else 128 + rec["signal"]
+        if code:
+            return code
+    return 0
 
 
 def _copy_new_lines(path: Path, done: threading.Event) -> None:

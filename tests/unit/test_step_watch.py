@@ -1,0 +1,71 @@
+"""The batch launcher does not trust srun to return: per-rank exit records and the bounded wait after them."""
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from tests.conftest import REPO
+from yatt_hpc.config import load_config
+from yatt_hpc.launch.launcher import StepWatch, ranks_exit_code, record_failure
+from yatt_hpc.launch.rank_group import EXIT_DIR_ENV, write_exit_record
+from yatt_hpc.placement import plan
+
+
+def _shim(tmp_path, rank: int, child_code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PMIX_RANK=str(rank), **{EXIT_DIR_ENV: str(tmp_path / "exits")})
+    env["PYTHONPATH"] = str(REPO)
+    # the child sees the --group the shim appends and exits as told
+    child = [sys.executable, "-c", f"import os, signal, sys; assert sys.argv[-2:] == ['--group', 'rollout']; {child_code}"]
+    return subprocess.run([sys.executable, "-m", "yatt_hpc.launch.rank_group", "trainer=0-1,rollout=2-2,genrm=3-3",
+                           "--", *child], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("code, expect", [
+    pytest.param("sys.exit(3)", {"code": 3, "signal": None}, id="exit-code"),
+    pytest.param("os.kill(os.getpid(), signal.SIGKILL)", {"code": None, "signal": 9}, id="sigkill"),
+])
+def test_the_shim_records_how_its_rank_ended_and_leaves_the_same_way(tmp_path, code, expect):
+    done = _shim(tmp_path, 2, code)
+    assert done.returncode == (3 if expect["code"] else -9), done.stderr
+    rec = json.loads((tmp_path / "exits" / "rank-0002.json").read_text())
+    assert {k: rec[k] for k in ("rank", "group", "code", "signal")} == {"rank": 2, "group": "rollout", **expect}
+    assert not list((tmp_path / "exits").glob("*.tmp")), "records are renamed into place"
+
+
+def _records(directory, codes: dict[int, int]) -> None:
+    for rank, status in codes.items():
+        write_exit_record(str(directory), rank, "trainer", status, pid=1000 + rank)
+
+
+def test_a_srun_that_never_returns_is_ended_once_every_rank_has_exited(tmp_path):
+    hung = subprocess.Popen(["sleep", "600"])  # stands for the srun that waits forever
+    watch = StepWatch(tmp_path, world_size=3, timeout_s=0.5, poll_s=0.05)
+    result = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("code", watch.wait(hung)))
+    waiter.start()
+    _records(tmp_path, {0: 0, 1: 0})
+    assert waiter.is_alive(), "two of three records: keep waiting for srun"
+    _records(tmp_path, {2: -9})
+    waiter.join(timeout=60)
+    assert not waiter.is_alive()
+    assert result["code"] == 128 + 9, "the ranks' code (rank 2 killed), not srun's"
+    assert watch.ended_srun and hung.poll() is not None, "srun was ended"
+
+
+def test_a_srun_that_returns_keeps_its_own_code(tmp_path):
+    quick = subprocess.Popen([sys.executable, "-c", "raise SystemExit(5)"])
+    watch = StepWatch(tmp_path, world_size=2, timeout_s=600, poll_s=0.05)
+    assert watch.wait(quick) == 5 and not watch.ended_srun
+
+
+def test_the_step_code_and_failure_come_from_the_lowest_failing_rank(tmp_path):
+    _records(tmp_path, {0: 0, 1: 0, 2: 7, 3: -15})
+    records = StepWatch(tmp_path, 4, 1.0).records()
+    assert ranks_exit_code(records) == 7
+    assert ranks_exit_code(records[:2]) == 0
+    p = plan(load_config(REPO / "configs/demo_cpu.yaml"))
+    assert record_failure(records, p).startswith("rollout (world rank 2) on ")
+    assert record_failure(records, p).endswith("exit code 7")
