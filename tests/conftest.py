@@ -5,10 +5,13 @@ and FAIL instead when YATT_REQUIRE_MPI=1 / YATT_REQUIRE_SLURM=1 (CI sets both).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,72 @@ def small_disk():
     disk = SmallDisk()
     yield disk
     disk.unmount_all()
+
+
+def _become_subreaper() -> None:
+    """Orphans of what a test started (mpirun once its launcher exited, say) become children of this
+    pytest process instead of init's, so `leftover_pids` finds them by parentage, never by name."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+_become_subreaper()
+
+
+def tree_pids(root: int) -> list[int]:
+    """`root` (a Popen the test started) and every live process descended from it: the processes the
+    test started, found by parentage, never by matching names. Zombies are left out."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]  # after "(comm)": state ppid ...
+        if state != "Z":
+            children.setdefault(int(ppid), []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        if pid == root and not Path(f"/proc/{pid}").exists():
+            continue
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return [p for p in out if p != root or Path(f"/proc/{p}").exists()]
+
+
+def leftover_pids() -> list[int]:
+    """Every live process this pytest process started, directly or not, that is still running (tests run
+    one at a time, so at a test's end these are that test's)."""
+    return [p for p in tree_pids(os.getpid()) if p != os.getpid()]
+
+
+def kill_leftovers() -> list[int]:
+    """SIGKILL whatever `leftover_pids` finds; returns their pids."""
+    pids = leftover_pids()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def kill_tree(root: int) -> list[int]:
+    """SIGKILL `root` and its descendants (see tree_pids), children first found, then all; returns their pids."""
+    pids = tree_pids(root)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def wait_for_log_line(path: Path, text: str, timeout_s: float = 300, alive=None) -> None:
+    """Poll `path` until it holds `text` (an event a rank logs), bounded; `alive()` False ends the wait early."""
+    deadline = time.monotonic() + timeout_s
+    while not (path.exists() and text in path.read_text(errors="replace")):
+        assert alive is None or alive(), f"the run ended before {path.name} said {text!r}"
+        assert time.monotonic() < deadline, f"{path} never said {text!r} within {timeout_s:g}s"
+        time.sleep(0.02)

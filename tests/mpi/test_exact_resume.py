@@ -6,7 +6,6 @@ survive, possibly with an async write torn), then resume. All three must end wit
 parameters and the identical sequence of consumed prompt positions.
 """
 import json
-import os
 import random
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, mpi_env
+from tests.conftest import REPO, kill_tree, mpi_env
 
 CONFIG = str(REPO / "configs/demo_cpu.yaml")
 K = 12
@@ -40,13 +39,15 @@ def start_and_interrupt(run_dir, after_steps: int, how: str):
     deadline = time.monotonic() + 300
     while finished_steps(run_dir) < after_steps and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    time.sleep(random.uniform(0.0, 0.3))  # land inside a step, or inside an async write
+    seed = random.randrange(2**32)
+    delay = random.Random(seed).uniform(0.0, 0.3)
+    print(f"interrupting {how} {delay:.3f}s after step {after_steps} (seed {seed})")
+    time.sleep(delay)  # land inside a step, or inside an async write (a random place, not a state to reach)
     if how == "term":
         proc.send_signal(signal.SIGTERM)
     else:
         # every rank, mpirun (its own session) and the launcher: nobody gets a chance to save
-        subprocess.run(["pkill", "-9", "-f", "--", f"--run-dir {run_dir}"], check=False)
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
     out, _ = proc.communicate(timeout=120)
     return proc.returncode, out
 

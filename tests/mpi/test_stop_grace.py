@@ -12,7 +12,6 @@ weight traffic in flight when the ranks exit) resumes with the step-start split 
 prompt lost or repeated.
 """
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from datetime import datetime
 
 import pytest
 
-from tests.conftest import REPO, mpi_env
+from tests.conftest import REPO, kill_leftovers, leftover_pids, mpi_env, wait_for_log_line
 from tests.mpi.test_exact_resume import assert_same, final_state, finished_steps
 from tests.mpi.test_overdispatch_run import assert_every_position_consumed_once_or_queued
 from yatt_hpc.ckpt.state import read_shared
@@ -56,9 +55,7 @@ def start(run_dir, extra=(), config="configs/demo_cpu.yaml"):
 def run_dir(tmp_path):
     """The interrupted run's directory; whatever of that run is still alive afterwards (a failed test) is killed."""
     yield tmp_path / "run"
-    alive = subprocess.run(["pgrep", "-f", "--", f"--run-dir {tmp_path / 'run'}"], capture_output=True, text=True)
-    for pid in alive.stdout.split():
-        os.kill(int(pid), signal.SIGKILL)
+    kill_leftovers()
 
 
 def interrupt_in_step_2(run_dir, extra=(), config="configs/demo_cpu.yaml"):
@@ -69,7 +66,7 @@ def interrupt_in_step_2(run_dir, extra=(), config="configs/demo_cpu.yaml"):
     while finished_steps(run_dir) < 1 and proc.poll() is None:
         assert time.monotonic() < deadline, "step 1 never finished"
         time.sleep(0.02)
-    time.sleep(0.3)  # inside step 2, generating
+    wait_for_log_line(run_dir / "logs" / "rank-0000-trainer.log", "step 2 begins", alive=lambda: proc.poll() is None)
     sent, sent_wall = time.monotonic(), time.time()
     proc.send_signal(signal.SIGTERM)
     marker, committed = run_dir / "checkpoints" / "step-1" / "COMMITTED", None
@@ -89,8 +86,7 @@ def interrupt_in_step_2(run_dir, extra=(), config="configs/demo_cpu.yaml"):
     record = json.loads((run_dir / "logs" / "stop_local_0.json").read_text())
     assert record["step"] == 1 and "gave up step 2" in record["abandoned"], record
     assert "run the same command again to resume" in out
-    leftover = subprocess.run(["pgrep", "-f", "--", f"--run-dir {run_dir}"], capture_output=True, text=True).stdout
-    assert not leftover.strip(), f"processes of the stopped run are still alive: {leftover}"
+    assert leftover_pids() == [], "processes of the stopped run are still alive"
     return decided, committed, exited, out
 
 

@@ -5,7 +5,7 @@
 Saves step 1 and waits for its commit, then saves step 2 (the same sizes) asynchronously and waits
 for it. ``MODEL_FLOATS`` float32 zeros go into the safetensors file this rank writes, ``EXTRA_FLOATS``
 into ``state.h5`` (written by the leader), so the caller picks which write meets the full disk.
-Prints one JSON line: the CheckpointError of step 2 (or null) and whether commits ran off the
+Prints one JSON line: the CheckpointError of step 2 (or null), its class and whether commits ran off the
 loop thread. Started by tests/unit/test_ckpt_disk_full.py, which mounts RUN_DIR/checkpoints.
 """
 import json
@@ -31,12 +31,12 @@ def main() -> None:
     mgr = CheckpointManager(run_dir, MPI.COMM_WORLD, keep_last=2, async_save=True)
     for step in (1, 2):
         mgr.save(step, rank_state(step, model_floats, extra_floats), SharedState({"step": step}))
-    error = None
+    error = kind = None
     try:
         mgr.wait()
     except CheckpointError as err:
-        error = str(err)
-    report = {"error": error, "threaded_commit": mgr._threaded_commit, "world": MPI.COMM_WORLD.Get_size()}
+        error, kind = str(err), type(err).__name__
+    report = {"error": error, "kind": kind, "threaded_commit": mgr._threaded_commit, "world": MPI.COMM_WORLD.Get_size()}
     mgr.close()
     print(json.dumps(report), flush=True)
 

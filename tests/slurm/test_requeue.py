@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, mpi_env
+from tests.conftest import REPO, mpi_env, wait_for_log_line
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import wait_job
 from yatt_hpc.launch.submitit_exec import submit_run
@@ -114,7 +114,8 @@ def test_sigkilled_job_resumes_from_periodic_checkpoint_after_resubmission(slurm
     run_dir = tmp_path / "run"
     sub = submit(run_dir)
     wait_steps(run_dir, 12)
-    subprocess.run(["pkill", "-9", "-f", "--", f"--run-dir {run_dir}"], check=False)
+    # SIGKILL to every process of the job (batch shell, srun, every rank): nobody gets a chance to save
+    subprocess.run(["scancel", "--signal=KILL", "--full", sub.job_id], check=True, timeout=30)
     wait_job(sub.job_id, poll_s=1, timeout_s=200)
     done = finished_steps(run_dir)
     assert done < STEPS, "the kill came too late"
@@ -131,7 +132,7 @@ def test_requeue_during_a_long_step_gives_it_up_within_the_grace(slurm_cluster, 
     sub = submit(run_dir, "train.steps=3", "train.prompts_per_step=64", "rollout.samples_per_prompt=16",
                  "checkpoint.interval=0", "checkpoint.stop_grace_s=1")
     wait_steps(run_dir, 1)
-    time.sleep(0.3)  # inside step 2 (seconds long), generating
+    wait_for_log_line(run_dir / "logs" / "rank-0000-trainer.log", "step 2 begins")  # inside step 2, generating
     sent = time.monotonic()
     subprocess.run(["scontrol", "requeue", sub.job_id], check=True)
     record = run_dir / "logs" / f"stop_{sub.job_id}_0.json"

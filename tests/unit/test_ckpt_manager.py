@@ -105,9 +105,11 @@ def test_a_corrupt_latest_is_reported_and_skipped_for_the_previous_one(tmp_path,
     corrupt(ckpt / "step-2")
     assert reason in verify_step(ckpt / "step-2")
     with caplog.at_level(logging.WARNING, logger="yatt_hpc.ckpt"):
-        got = CheckpointManager(tmp_path).load_latest(IDENTITY)
+        mgr = CheckpointManager(tmp_path)
+        got = mgr.load_latest(IDENTITY)
     assert got.step == 1 and got.data_position == {"next": 16}
     assert any("step-2" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+    assert [step for step, _ in mgr.skipped] == [2] and reason in mgr.skipped[0][1]  # for the caller to say
     # moved aside, so later saves and pruning by step order cannot keep it instead of a good one
     assert (ckpt / "step-2.corrupt").is_dir() and not (ckpt / "step-2").exists()
 

@@ -67,5 +67,5 @@ def test_the_step_code_and_failure_come_from_the_lowest_failing_rank(tmp_path):
     assert ranks_exit_code(records) == 7
     assert ranks_exit_code(records[:2]) == 0
     p = plan(load_config(REPO / "configs/demo_cpu.yaml"))
-    assert record_failure(records, p).startswith("rollout (world rank 2) on ")
+    assert record_failure(records, p).startswith("rollout (world rank 2) on ")  # written before rank 3's
     assert record_failure(records, p).endswith("exit code 7")

@@ -20,13 +20,13 @@ import importlib
 # Attributes load on first use (PEP 562): `yatt-hpc ckpt list` and `yatt-hpc plan` import this
 # package without paying for torch and h5py.
 _EXPORTS = {
-    "CheckpointError": "errors", "should_save": "layout", "Restored": "loader", "find_latest": "loader",
-    "CheckpointManager": "manager", "LocalComm": "manager", "load_optimizer_tensors": "optim",
+    "CheckpointError": "errors", "DiskFullError": "errors", "should_save": "layout", "Restored": "loader",
+    "find_latest": "loader", "CheckpointManager": "manager", "LocalComm": "manager", "load_optimizer_tensors": "optim",
     "optimizer_tensors": "optim", "RngState": "rng", "capture_rng": "rng", "restore_rng": "rng",
     "SharedState": "state", "RankState": "writer",
 }
-__all__ = ["CheckpointError", "CheckpointManager", "LocalComm", "RankState", "Restored", "RngState",
-           "SharedState", "capture_rng", "find_latest", "load_optimizer_tensors", "optimizer_tensors",
+__all__ = ["CheckpointError", "CheckpointManager", "DiskFullError", "LocalComm", "RankState", "Restored",
+           "RngState", "SharedState", "capture_rng", "find_latest", "load_optimizer_tensors", "optimizer_tensors",
            "restore_rng", "should_save"]
 
 

@@ -14,6 +14,7 @@ Sequence (the leader is one rank of ``comm``; every other rank only writes its o
                    (fails? rename step-N back to step-N.incomplete: no step-N without its marker)
                 prune committed checkpoints beyond keep_last
     all ranks:  bcast the outcome; every rank raises the same CheckpointError on failure
+                (DiskFullError, a subclass, when the disk was full)
 
 A full disk (ENOSPC/EDQUOT on any rank) is worded as such: where, how much is free, how much a
 checkpoint takes, the fix, and which committed step a rerun resumes from.
@@ -30,7 +31,14 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from yatt_hpc.ckpt import layout
-from yatt_hpc.ckpt.errors import DISK_FULL, CheckpointError, describe_write_error, dir_size, free_space
+from yatt_hpc.ckpt.errors import (
+    DISK_FULL,
+    CheckpointError,
+    DiskFullError,
+    describe_write_error,
+    dir_size,
+    free_space,
+)
 from yatt_hpc.ckpt.manifest import (
     FileEntry,
     digest_file,
@@ -84,7 +92,8 @@ def commit(comm, leader: int, ckpt_dir: Path, step: int, snap: RankState, shared
             outcome += disk_full_advice(ckpt_dir, step, keep_last)
     outcome = comm.bcast(outcome, root=leader)
     if outcome:
-        raise CheckpointError(f"checkpoint step {step} was not committed: {outcome}")
+        error = DiskFullError if DISK_FULL in outcome else CheckpointError
+        raise error(f"checkpoint step {step} was not committed: {outcome}")
 
 
 def _leader_commit(ckpt_dir: Path, step: int, shared: SharedState, payloads, keep_last: int) -> str | None:

@@ -1,6 +1,6 @@
-"""The checkpoint component's one exception, and how a failed write is worded (stdlib only, so the CLI imports fast).
+"""The checkpoint component's exceptions, and how a failed write is worded (stdlib only, so the CLI imports fast).
 
-    from yatt_hpc.ckpt.errors import CheckpointError, describe_write_error, free_space
+    from yatt_hpc.ckpt.errors import CheckpointError, DiskFullError, describe_write_error, free_space
     describe_write_error(err)        # "disk full (No space left on device)" or "OSError: ..." on one line
     free_space(path)                 # "1.8 MiB free of 5.0 MiB on that filesystem"
 """
@@ -18,6 +18,10 @@ _FULL_ERRNOS = tuple(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", No
 
 class CheckpointError(RuntimeError):
     """A save could not be committed, or a checkpoint cannot be loaded; the message says why."""
+
+
+class DiskFullError(CheckpointError):
+    """A save did not fit on its filesystem (ENOSPC/EDQUOT): the user's to fix, the message says how."""
 
 
 def disk_full_reason(err: BaseException) -> str | None:

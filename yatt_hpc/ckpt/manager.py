@@ -90,6 +90,7 @@ class CheckpointManager:
         self._staging = Staging()
         self._deferred: tuple | None = None
         self.last_stall_s = 0.0
+        self.skipped: list[tuple[int, str]] = []  # (step, why) of checkpoints latest_step passed over
 
     # ------------------------------------------------------------------ saving
 
@@ -108,7 +109,8 @@ class CheckpointManager:
 
         Blocks for: the previous save in flight (at most one), then the host-memory snapshot.
         ``async_save=False`` writes and commits before returning. ``shared`` counts on the leader only.
-        Raises ``CheckpointError`` (on every rank alike) if a previous save failed to commit.
+        Raises ``CheckpointError`` (on every rank alike) if a previous save failed to commit
+        (``DiskFullError``, a subclass, when it did not fit on its filesystem).
         """
         start = time.perf_counter()
         self.wait()
@@ -177,12 +179,17 @@ class CheckpointManager:
     # ------------------------------------------------------------------ loading
 
     def latest_step(self) -> int | None:
-        """Collective. The leader verifies (sizes + sha256) from the newest down; all ranks get its answer."""
+        """Collective. The leader verifies (sizes + sha256) from the newest down; all ranks get its answer.
+
+        Newer checkpoints that did not verify are moved aside to ``step-N.corrupt``; ``skipped`` then
+        holds their (step, reason) on every rank, for the caller to report.
+        """
         self.wait()
-        step = None
+        answer: tuple[int | None, list[tuple[int, str]]] = (None, [])
         if self.is_leader:
-            step, _ = find_latest(self.ckpt_dir, quarantine=True)
-        return self.comm.bcast(step, root=self.leader)
+            answer = find_latest(self.ckpt_dir, quarantine=True)
+        step, self.skipped = self.comm.bcast(answer, root=self.leader)
+        return step
 
     def load_latest(self, identity: str) -> Restored | None:
         """Collective. This rank's part of the latest verified checkpoint, or None on a fresh run."""

@@ -280,6 +280,26 @@ class SlurmConfig(Section):
         return value
 
 
+class HealthConfig(Section):
+    """Noticing a rank that stops answering (yatt_hpc/control/health.py)."""
+
+    heartbeat_s: float = Field(5.0, gt=0, le=600)
+    """Seconds between the heartbeats every rank's monitor thread sends (its own communicator, not the data plane)."""
+    stall_timeout_s: float | None = Field(120.0, gt=0)
+    """A rank silent this long (stopped, frozen), or a world where no rank made progress this long (a hung call,
+    a deadlock), ends the job naming the group and rank (exit 3; requeue/resubmit resume from the last checkpoint).
+    Keep it above the longest single engine call (an SGLang generate is one call); null turns detection off.
+    Needs MPI THREAD_MULTIPLE."""
+
+    @model_validator(mode="after")
+    def _beats_fit_the_timeout(self) -> HealthConfig:
+        if self.stall_timeout_s is not None and self.heartbeat_s * 3 > self.stall_timeout_s:
+            raise ValueError(f"health.heartbeat_s={self.heartbeat_s:g} must be at most a third of "
+                             f"health.stall_timeout_s={self.stall_timeout_s:g} (a late beat or two must not look like "
+                             "a stall); lower heartbeat_s or raise stall_timeout_s")
+        return self
+
+
 class LoggingConfig(Section):
     """Metrics and logs."""
 
@@ -291,7 +311,7 @@ class LoggingConfig(Section):
     """Show a rich progress line on the leader."""
 
 
-SECTIONS = ("model", "data", "train", "rollout", "reward", "placement", "checkpoint", "slurm", "logging")
+SECTIONS = ("model", "data", "train", "rollout", "reward", "placement", "checkpoint", "health", "slurm", "logging")
 
 
 class RunConfig(Section):
@@ -311,6 +331,8 @@ class RunConfig(Section):
     """Where groups run."""
     checkpoint: CheckpointConfig = CheckpointConfig()
     """Checkpoints."""
+    health: HealthConfig = HealthConfig()
+    """Stall detection."""
     slurm: SlurmConfig = SlurmConfig()
     """Slurm job."""
     logging: LoggingConfig = LoggingConfig()

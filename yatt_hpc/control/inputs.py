@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from yatt_hpc.ckpt.errors import DiskFullError
 from yatt_hpc.config import ConfigError
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.control.world import LaunchMismatch
@@ -20,7 +21,8 @@ class InputError(Exception):
     """A missing or unusable input file; the message names the field, the path and the fix."""
 
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, LaunchMismatch, DatasetError, InputError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, LaunchMismatch, DatasetError, InputError,
+                                                DiskFullError)
 
 
 def check_model_dir(path: str, field: str) -> None:

@@ -27,7 +27,9 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.ckpt import SharedState, should_save
+from yatt_hpc.control.health import HealthMonitor
 from yatt_hpc.control.preemption import DEADLINE, NONE, REASONS, SIGNAL, decide_requeue, past_deadline, stop_record_name
 from yatt_hpc.control.routing import RoleSplit, Routes
 from yatt_hpc.control.split import SplitSchedule
@@ -68,6 +70,8 @@ class StepLoop:
         last_saved, started = step, time.perf_counter()
         watchdog = StopWatchdog.build(self.world.comm, self.guard, self.stop_flag, self.cfg.checkpoint.stop_grace_s,
                                       self.abandon)
+        health = HealthMonitor.build(self.world, self.cfg.health.heartbeat_s, self.cfg.health.stall_timeout_s,
+                                     self.run_dir, f"{self.slurm.job_id or 'local'}_{self.slurm.restart_count}")
         while step < self.cfg.train.steps:
             reason = self.agree_stop()
             if reason != NONE:
@@ -80,11 +84,14 @@ class StepLoop:
             # the counters a checkpoint of `step` holds: the split before this step's agreement
             self.guard.begin_step(StepRecord(step, light, saved=last_saved == step, counters=self.counters(step)))
             self.agree_split()
+            ACTIVITY.progress(f"step {step + 1}")
+            log.info("step %d begins", step + 1)  # tests wait for this line to act inside a step
             t0 = time.perf_counter()
             self.controller.step(step)
             self.guard.end_step()
             self.step_seconds = time.perf_counter() - t0
-            reports = self.world.comm.gather(self.stats.step_report(), root=0)
+            with ACTIVITY.waiting("step report"):
+                reports = self.world.comm.gather(self.stats.step_report(), root=0)
             if self.split is not None:
                 self.split.end_step(reports)  # the leader decides the split of step + 2 from these loads
             if self.world.is_leader:
@@ -99,6 +106,8 @@ class StepLoop:
                 last_saved = step
         if watchdog is not None:
             watchdog.close()
+        if health is not None:
+            health.close()
         self.ckpt.close()
         self.metrics.close()
         if self.world.is_leader and self.outcome == "complete":
@@ -139,14 +148,16 @@ class StepLoop:
                                                                    self.step_seconds, self.ckpt.last_stall_s):
             code = DEADLINE
         agreed = np.array([code], dtype=np.int64)
-        self.world.comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
+        with ACTIVITY.waiting("agree stop"):
+            self.world.comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
         return int(agreed[0])
 
     def agree_split(self) -> None:
         """Every rank takes the leader's split of the step after this one; set this step's routes."""
         if self.split is None:
             return
-        pending = self.world.comm.bcast(self.split.pending, root=LEADER_RANK)
+        with ACTIVITY.waiting("agree split"):
+            pending = self.world.comm.bcast(self.split.pending, root=LEADER_RANK)
         self.controller.set_routes(Routes(self.world.plan, self.split.agreed(pending)))
 
     def set_resume_routes(self) -> None:

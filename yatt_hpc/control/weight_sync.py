@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
+from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.control.wire import TAG_WEIGHTS, wait_for_message
 
 _DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)}
@@ -60,6 +61,7 @@ def _send_bucket(comm, dests: list[int], bucket, final: bool) -> int:
         comm.Send(manifest, dest=dest, tag=TAG_WEIGHTS)
         if payload.size:
             comm.Send(payload, dest=dest, tag=TAG_WEIGHTS)
+        ACTIVITY.progress("send weights")
     return int(payload.size)
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 from mpi4py import MPI
 
+from yatt_hpc.activity import ACTIVITY
+
 # message tags of the inter-group protocol
 TAG_PROMPTS = 11  # trainer -> rollout: prompts to sample
 TAG_SAMPLES = 12  # rollout -> genrm: generated samples to score
@@ -158,13 +160,18 @@ def isend_batch(comm, dest: int, tag: int, batch: SampleBatch) -> tuple[list, li
     return [comm.Isend(buffer, dest=dest, tag=tag)], [buffer]
 
 
-def wait_all(requests: list, poll_s: float = 0.002) -> None:
-    """Wait for MPI requests, backing off from a busy test to short sleeps (never a long stall)."""
-    delay = 0.0
-    while not MPI.Request.Testall(requests):
-        if delay:
-            time.sleep(delay)
-        delay = min(poll_s, delay + 0.00005)
+def wait_all(requests: list, poll_s: float = 0.002, label: str = "mpi wait") -> None:
+    """Wait for MPI requests, backing off from a busy test to short sleeps (never a long stall).
+    While it waits, the rank counts as waiting on peers (`activity`), not as stuck itself."""
+    if MPI.Request.Testall(requests):
+        ACTIVITY.progress()
+        return
+    with ACTIVITY.waiting(label):
+        delay = 0.0
+        while not MPI.Request.Testall(requests):
+            if delay:
+                time.sleep(delay)
+            delay = min(poll_s, delay + 0.00005)
 
 
 class StreamSender:
@@ -219,7 +226,7 @@ def agree_more(comm, mine: bool, poll_s: float = 0.002) -> bool:
     """Whether any rank wants another sampling wave (collective over `comm`, polled, not spinning)."""
     flag = np.array([1 if mine else 0], dtype=np.int64)
     out = np.zeros(1, dtype=np.int64)
-    wait_all([comm.Iallreduce(flag, out, op=MPI.MAX)], poll_s)
+    wait_all([comm.Iallreduce(flag, out, op=MPI.MAX)], poll_s, "agree_more")
     return bool(out[0])
 
 
@@ -228,13 +235,17 @@ def wait_for_message(comm, source: int, tag: int, status=None, poll_s: float = 0
     next batch is usually that close), then sleep between probes, backing off to `poll_s` (see
     module docstring)."""
     status = status if status is not None else MPI.Status()
-    delay, spin_until = 0.0, time.perf_counter() + spin_s
-    while not comm.Iprobe(source=source, tag=tag, status=status):
-        if time.perf_counter() < spin_until:
-            continue
-        if delay:
-            time.sleep(delay)
-        delay = min(poll_s, delay + 0.00005)
+    if comm.Iprobe(source=source, tag=tag, status=status):
+        ACTIVITY.progress()
+        return
+    with ACTIVITY.waiting(f"recv tag {tag}"):
+        delay, spin_until = 0.0, time.perf_counter() + spin_s
+        while not comm.Iprobe(source=source, tag=tag, status=status):
+            if time.perf_counter() < spin_until:
+                continue
+            if delay:
+                time.sleep(delay)
+            delay = min(poll_s, delay + 0.00005)
 
 
 def send_ints(comm, dest: int, tag: int, values) -> None:
@@ -254,10 +265,11 @@ def recv_ints(comm, source: int, tag: int, poll_s: float = 0.002) -> tuple[np.nd
 def wait_for_any(comm, tags: list[int], poll_s: float = 0.002) -> int:
     """Block until a message with one of `tags` (from anyone) is pending; returns that tag."""
     delay = 0.0
-    while True:
-        for tag in tags:
-            if comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag):
-                return tag
-        if delay:
-            time.sleep(delay)
-        delay = min(poll_s, delay + 0.00005)
+    with ACTIVITY.waiting(f"recv tags {tags}"):
+        while True:
+            for tag in tags:
+                if comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag):
+                    return tag
+            if delay:
+                time.sleep(delay)
+            delay = min(poll_s, delay + 0.00005)

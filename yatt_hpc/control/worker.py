@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -62,8 +63,6 @@ def build_controller(world, cfg, run_dir: Path, stats):
 
 def quiet_libraries() -> None:
     """Per-rank progress bars from transformers would interleave on the launcher's terminal."""
-    import os
-
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from transformers.utils import logging as hf_logging
@@ -72,8 +71,6 @@ def quiet_libraries() -> None:
 
 
 def run_rank(group: str, run_dir: Path) -> str:
-    import os
-
     from rich.console import Console
 
     from yatt_hpc.ckpt import CheckpointManager
@@ -119,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
     log_path = setup_logging(args.run_dir, comm.Get_rank(), args.group, "INFO")
+    logging.getLogger(__name__).info("started: pid %d", os.getpid())
     try:
         run_rank(args.group, args.run_dir)
     except USER_ERRORS as err:

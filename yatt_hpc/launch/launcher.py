@@ -38,6 +38,8 @@ from yatt_hpc.placement import Plan, plan
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 _WORKER_LINE = re.compile(r"yatt-hpc \[(?P<group>\w+) rank (?P<rank>\d+)\] (?:failed|error): (?P<what>.*)")
 _SRUN_LINE = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.*)")
+_MPIRUN_LINE = re.compile(r"process rank (?P<rank>\d+) with PID \d+ on node (?P<node>\S+) exited on signal "
+                          r"(?P<sig>\d+)(?: \((?P<name>[^)]*)\))?")
 
 
 class StepFailed(RuntimeError):
@@ -102,8 +104,7 @@ def launch_in_allocation(run_dir: Path, slurm: SlurmEnv, program: Sequence[str] 
     if code and gave_up_step(run_dir / "logs" / stop_record_name(slurm.job_id, slurm.restart_count)):
         _say(f"the step exited {code} after giving up a step with its checkpoint committed: a stop")
         code = 0
-    failure = (first_failure(stderr_lines, p, _node_groups(p, slurm)) or record_failure(watch.records(), p)
-               if code else None)
+    failure = first_failure(stderr_lines, p, _node_groups(p, slurm), watch.records()) if code else None
     summary = RunSummary(slurm.job_id or "", slurm.restart_count, p.mode, p.world_size, code,
                          round(time.monotonic() - start, 1), failure, render(argv), watch.ended_srun)
     (run_dir / "logs" / f"summary_{tag}.json").write_text(json.dumps(asdict(summary), indent=1) + "\n")
@@ -147,8 +148,10 @@ def _node_groups(p: Plan, slurm: SlurmEnv) -> dict[str, str]:
     return {node: g.name for g, c in zip(p.groups, slurm.components) for node in expand_nodes(c.nodelist)}
 
 
-def first_failure(lines: Sequence[str], p: Plan, node_groups: Mapping[str, str] | None = None) -> str | None:
-    """Name the rank that failed first from the step's stderr: the worker's own line, else srun's.
+def first_failure(lines: Sequence[str], p: Plan, node_groups: Mapping[str, str] | None = None,
+                  records: Sequence[Mapping] = ()) -> str | None:
+    """Name the rank that failed first: the worker's own line (it says why), else the earliest
+    failing exit record (a rank killed without a word), else mpirun's or srun's line.
 
     srun reports `NODE: task N: Exited with exit code X`; in a heterogeneous step N counts within the
     component, so `node_groups` (node -> group) turns it into a world rank."""
@@ -157,6 +160,15 @@ def first_failure(lines: Sequence[str], p: Plan, node_groups: Mapping[str, str] 
         if m:
             rank = int(m.group("rank"))
             return f"{m.group('group')} (world rank {rank}): {m.group('what').strip()}"
+    from_records = record_failure(records, p)
+    if from_records:
+        return from_records
+    killed = next((m for m in map(_MPIRUN_LINE.search, lines) if m), None)
+    if killed:
+        rank = int(killed.group("rank"))
+        where = f"{p.group_of(rank)} (world rank {rank})" if rank < p.world_size else f"rank {rank}"
+        name = f" ({killed.group('name')})" if killed.group("name") else ""
+        return f"{where} on {killed.group('node')}: killed by signal {killed.group('sig')}{name}"
     reports = [m for m in map(_SRUN_LINE.search, lines) if m]
     culprits = [m for m in reports if not re.match(r"(Killed|Terminated)", m.group("what"))] or reports
     if not culprits:
@@ -171,8 +183,9 @@ def first_failure(lines: Sequence[str], p: Plan, node_groups: Mapping[str, str] 
 
 
 def record_failure(records: Sequence[Mapping], p: Plan) -> str | None:
-    """Name the lowest rank whose exit record is not a clean exit (when stderr named nobody)."""
-    for rec in sorted(records, key=lambda r: r["rank"]):
+    """Name the first rank (by the time of its record) that did not exit cleanly: the others are
+    usually the ones the launcher then took down."""
+    for rec in sorted(records, key=lambda r: (r["time"], r["rank"])):
         if rec.get("signal") is not None or rec["code"]:
             how = f"killed by signal {rec['signal']}" if rec.get("signal") is not None else f"exit code {rec['code']}"
             return f"{p.group_of(rec['rank'])} (world rank {rec['rank']}) on {rec['node']}: {how}"

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from yatt_hpc.config import RunConfig, to_yaml
@@ -73,7 +74,11 @@ def launch_run(cfg: RunConfig, plan: Plan, run_dir: Path) -> int:
     # stop at the next step boundary (or give up the step after checkpoint.stop_grace_s), save, exit.
     record = run_dir / "logs" / stop_record_name(None, 0)
     record.unlink(missing_ok=True)
-    proc = subprocess.Popen(argv, env=launch_env(environ), start_new_session=True)
+    proc = subprocess.Popen(argv, env=launch_env(environ), start_new_session=True, stderr=subprocess.PIPE, text=True,
+                            errors="replace")
+    lines: list[str] = []
+    relay = threading.Thread(target=_relay, args=(proc.stderr, lines), daemon=True)
+    relay.start()
     forward = lambda signum, _frame: proc.send_signal(signal.SIGUSR2)  # noqa: E731
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
     try:
@@ -81,7 +86,26 @@ def launch_run(cfg: RunConfig, plan: Plan, run_dir: Path) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0 if code and gave_up_step(record) else code
+    relay.join(timeout=10)
+    if code and gave_up_step(record):
+        return 0
+    if code:
+        from yatt_hpc.launch.launcher import first_failure
+
+        failure = first_failure(lines, plan)
+        print(f"yatt-hpc: the run failed (mpirun exit {code})" + (f"; first failure: {failure}" if failure else "")
+              + f"; per-rank logs in {run_dir / 'logs'}; the same command resumes from the last checkpoint",
+              file=sys.stderr, flush=True)
+    return code
+
+
+def _relay(stream, lines: list[str]) -> None:
+    """Copy mpirun's stderr to ours as it comes, keeping the lines that can name a failure."""
+    for line in stream:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        if "yatt-hpc [" in line or "exited on signal" in line:
+            lines.append(line)
 
 
 def gave_up_step(record: Path) -> bool:

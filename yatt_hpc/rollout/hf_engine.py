@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.offload import HostParking
 from yatt_hpc.rollout.engine import (
     BaseEngine,
@@ -191,6 +192,7 @@ class HFEngine(BaseEngine):
             if self._abort.is_set():
                 break
             logits = self._forward(input_ids, mask, positions, cache)
+            ACTIVITY.progress()  # one decode step: the health monitor sees a long generation move
             tokens[:, step], logprobs[:, step] = sample_next_tokens(logits, temperature, top_p, uniforms[:, step])
             length += (~done).long()
             stopped |= ~done & torch.isin(tokens[:, step], stop_ids)

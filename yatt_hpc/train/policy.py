@@ -22,6 +22,7 @@ from megatron.core import parallel_state
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
+from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.control.wire import SampleBatch
 from yatt_hpc.offload import HostParking
@@ -94,6 +95,7 @@ class MegatronPolicy:
             for start in range(0, len(batch), self.cfg.micro_batch_size):
                 index = np.arange(start, min(start + self.cfg.micro_batch_size, len(batch)))
                 stats = self._micro_step(batch.select(index), advantages[index], global_tokens)
+                ACTIVITY.progress()
                 for key in ("loss", "kl", "entropy", "clip_frac", "tokens"):
                     setattr(totals, key, getattr(totals, key) + getattr(stats, key))
                 if update == 0:

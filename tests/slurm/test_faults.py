@@ -1,0 +1,95 @@
+"""Real Slurm: one rank of a running job dies or stops; the job ends in bounded time naming it, and
+resubmitting the same run directory resumes with every prompt consumed once.
+
+The rank is found by the pid its own log recorded, and checked to belong to this test's job (its
+SLURM_JOB_ID) before it is signalled: nothing is matched by name. The signal lands after checkpoint
+step-1 is committed (the event, not a time). The full 3 groups x 3 placements SIGKILL matrix runs
+under mpirun (tests/mpi/test_faults.py); here each group and each placement is hit once.
+"""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import PYTHON, REPO
+from tests.mpi.test_faults import assert_every_prompt_once
+from yatt_hpc.launch.jobs import top_states, wait_job
+
+DEMO = str(REPO / "configs/demo_cpu.yaml")
+STEPS = 3
+ARGS = [f"train.steps={STEPS}", "train.prompts_per_step=8", "rollout.samples_per_prompt=4", "checkpoint.interval=1",
+        "logging.progress=false", "logging.tensorboard=false", "slurm.env.OMPI_MCA_btl=self,tcp", "slurm.time=00:20:00",
+        "health.heartbeat_s=0.5", "health.stall_timeout_s=5"]
+RANK_OF = {"trainer": 1, "rollout": 2, "genrm": 3}
+
+
+def submit(run_dir, mode) -> str:
+    sets = [a for kv in (*ARGS, f"placement.mode={mode}") for a in ("--set", kv)]
+    proc = subprocess.run([PYTHON, "-m", "yatt_hpc.cli", "submit", DEMO, "--run-dir", str(run_dir), *sets],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.split("submitted job ", 1)[1].split(":")[0]
+
+
+def job_rank_pid(run_dir, rank: int, job: str, deadline: float) -> int:
+    """The pid world rank `rank` logged at start, checked to be a process of job `job`."""
+    while True:
+        logs = list((run_dir / "logs").glob(f"rank-{rank:04d}-*.log"))
+        text = logs[0].read_text() if logs else ""
+        if "started: pid " in text:
+            pid = int(text.rsplit("started: pid ", 1)[1].split()[0])
+            environ = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
+            jobs = {environ.get("SLURM_JOB_ID"), environ.get("SLURM_HET_JOB_ID")}
+            assert job in jobs, f"pid {pid} belongs to job {jobs}, not to this test's job {job}"
+            return pid
+        assert time.monotonic() < deadline, f"rank {rank} never logged its pid"
+        time.sleep(0.1)  # polling for the event (the log line), bounded
+
+
+def hit(run_dir, mode, rank: int, sig: int) -> tuple[dict, str]:
+    job = submit(run_dir, mode)
+    deadline = time.monotonic() + 300
+    pid = job_rank_pid(run_dir, rank, job, deadline)
+    marker = run_dir / "checkpoints" / "step-1" / "COMMITTED"
+    while not marker.exists():
+        assert time.monotonic() < deadline, f"checkpoint step-1 never committed: {top_states(job)}"
+        time.sleep(0.1)
+    os.kill(pid, sig)
+    sent = time.monotonic()
+    states = wait_job(job, poll_s=1, timeout_s=120, components=3 if mode == "disjoint" else 1)
+    print(f"{mode}: {signal.Signals(sig).name} to rank {rank} -> {states} after {time.monotonic() - sent:.0f}s")
+    assert set(states.values()) == {"FAILED"}, states
+    summary = json.loads(next((run_dir / "logs").glob(f"summary_{job}_*.json")).read_text())
+    return summary, job
+
+
+def resubmit_and_check(run_dir, mode) -> None:
+    job = submit(run_dir, mode)
+    states = wait_job(job, poll_s=1, timeout_s=300, components=3 if mode == "disjoint" else 1)
+    log = "".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob(f"job_{job}_*.log")))
+    assert set(states.values()) == {"COMPLETED"}, (states, log[-3000:])
+    assert "resumed from checkpoint step" in log
+    assert_every_prompt_once(run_dir)
+
+
+@pytest.mark.parametrize("mode, group", [pytest.param("colocate", "trainer", id="colocate-trainer"),
+                                         pytest.param("disjoint", "rollout", id="disjoint-rollout"),
+                                         pytest.param("partial", "genrm", id="partial-genrm")])
+def test_a_killed_rank_fails_the_job_named_and_a_resubmission_resumes(slurm_cluster, tmp_path, mode, group):
+    run_dir = tmp_path / "run"
+    rank = RANK_OF[group]
+    summary, _ = hit(run_dir, mode, rank, signal.SIGKILL)
+    assert summary["failure"].startswith(f"{group} (world rank {rank}) on "), summary
+    assert "killed by signal 9" in summary["failure"], summary
+    resubmit_and_check(run_dir, mode)
+
+
+def test_a_stopped_rank_is_named_the_job_fails_and_a_resubmission_resumes(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    summary, job = hit(run_dir, "disjoint", 3, signal.SIGSTOP)
+    assert summary["failure"].startswith("genrm (world rank 3): stalled (silent): no heartbeat for"), summary
+    assert (run_dir / "logs" / f"stall_{job}_0.json").exists()
+    resubmit_and_check(run_dir, "disjoint")
