@@ -150,11 +150,15 @@ def _node_groups(p: Plan, slurm: SlurmEnv) -> dict[str, str]:
 
 def first_failure(lines: Sequence[str], p: Plan, node_groups: Mapping[str, str] | None = None,
                   records: Sequence[Mapping] = ()) -> str | None:
-    """Name the rank that failed first: the worker's own line (it says why), else the earliest
-    failing exit record (a rank killed without a word), else mpirun's or srun's line.
+    """Name the rank that failed first: a rank killed by a signal before any other rank failed (its
+    exit record says so; what the others print afterwards are consequences), else the worker's own
+    line (it says why), else the earliest failing exit record, else mpirun's or srun's line.
 
     srun reports `NODE: task N: Exited with exit code X`; in a heterogeneous step N counts within the
     component, so `node_groups` (node -> group) turns it into a world rank."""
+    first = _first_failing(records)
+    if first is not None and first.get("signal") is not None:
+        return record_failure([first], p)
     for line in lines:
         m = _WORKER_LINE.search(line)
         if m:
@@ -182,14 +186,21 @@ def first_failure(lines: Sequence[str], p: Plan, node_groups: Mapping[str, str] 
     return f"{where} on {m.group('node')}: {m.group('what').strip()}"
 
 
+def _first_failing(records: Sequence[Mapping]) -> Mapping | None:
+    """The exit record written first among those that are not a clean exit."""
+    return next((rec for rec in sorted(records, key=lambda r: (r["time"], r["rank"]))
+                 if rec.get("signal") is not None or rec["code"]), None)
+
+
 def record_failure(records: Sequence[Mapping], p: Plan) -> str | None:
     """Name the first rank (by the time of its record) that did not exit cleanly: the others are
     usually the ones the launcher then took down."""
-    for rec in sorted(records, key=lambda r: (r["time"], r["rank"])):
-        if rec.get("signal") is not None or rec["code"]:
-            how = f"killed by signal {rec['signal']}" if rec.get("signal") is not None else f"exit code {rec['code']}"
-            return f"{p.group_of(rec['rank'])} (world rank {rec['rank']}) on {rec['node']}: {how}"
-    return None
+    rec = _first_failing(records)
+    if rec is None:
+        return None
+    sig = rec.get("signal")
+    how = f"killed by signal {sig} ({signal.Signals(sig).name})" if sig is not None else f"exit code {rec['code']}"
+    return f"{p.group_of(rec['rank'])} (world rank {rec['rank']}) on {rec['node']}: {how}"
 
 
 def _run_step(argv: list[str], env: dict[str, str], stderr_path: Path,
