@@ -61,7 +61,7 @@ def slurm_cluster() -> str:
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Random tiny GPT-2 policy and judge with the character tokenizer: fast plumbing tests that do
     not need a policy that learns (the demo models under models/demo are for that)."""
-    from yatt_hpc.data.tiny_models import save_random_pair
+    from yatt_hpc.demo.tiny_models import save_random_pair
 
     return save_random_pair(tmp_path_factory.mktemp("tiny_models"), n_embd=32, n_positions=64)
 
@@ -125,6 +125,10 @@ def small_disk():
     disk = SmallDisk()
     yield disk
     disk.unmount_all()
+
+# Every run a test starts checks the step protocol at run time (yatt_hpc/roles/protocol.py): a rank
+# that would take another collective than the others fails naming where, instead of hanging.
+os.environ.setdefault("YATT_PROTOCOL_CHECK", "1")
 
 
 def _become_subreaper() -> None:
