@@ -167,15 +167,15 @@ def tree_pids(root: int) -> list[int]:
     return [p for p in out if p != root or Path(f"/proc/{p}").exists()]
 
 
-def leftover_pids() -> list[int]:
-    """Every live process this pytest process started, directly or not, that is still running (tests run
-    one at a time, so at a test's end these are that test's)."""
-    return [p for p in tree_pids(os.getpid()) if p != os.getpid()]
+def leftover_pids(baseline: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """Every live process this pytest process started, directly or not, minus `baseline` (what was
+    alive before the test began: e.g. the orted of pytest's own MPI singleton, which must live)."""
+    return [p for p in tree_pids(os.getpid()) if p != os.getpid() and p not in baseline]
 
 
-def kill_leftovers() -> list[int]:
-    """SIGKILL whatever `leftover_pids` finds; returns their pids."""
-    pids = leftover_pids()
+def kill_leftovers(baseline: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """SIGKILL whatever `leftover_pids(baseline)` finds; returns their pids."""
+    pids = leftover_pids(baseline)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
