@@ -75,8 +75,8 @@ def main() -> None:
         console.print("colocate_swap needs CUDA (torch.cuda.is_available() is False); nothing measured")
         return
 
+    from yatt_hpc.batch import SampleBatch
     from yatt_hpc.config.schema import TrainConfig
-    from yatt_hpc.control.wire import SampleBatch
     from yatt_hpc.rollout import GenerationRequest, build_engine
     from yatt_hpc.train import megatron_model
     from yatt_hpc.train.policy import MegatronPolicy

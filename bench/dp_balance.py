@@ -3,7 +3,7 @@
     .venv/bin/python bench/dp_balance.py                  # 50 seeded steps per case
     .venv/bin/python bench/dp_balance.py --steps 10 --dp 16
 
-Pure computation (no MPI): the same functions the trainer calls (`yatt_hpc.control.balance`).
+Pure computation (no MPI): the same functions the trainer calls (`yatt_hpc.sched.balance`).
 A step has G GRPO groups of n=8 samples; a group is the unit that moves (never split). Lengths:
 prompt ~ U[64, 512] tokens per group; response ~ LogNormal(mu_g, 0.7) with a per-group
 mu_g ~ N(log 600, 0.7) (hard prompts make long answers for the whole group), clipped to
@@ -20,7 +20,7 @@ import time
 import numpy as np
 from common import print_table, row, spread, write_report
 
-from yatt_hpc.control.balance import (
+from yatt_hpc.sched.balance import (
     contiguous_split,
     flops_coeff,
     imbalance,

@@ -16,7 +16,7 @@ that `ru_maxrss` is that pattern's high-water mark, per rank:
   shard-stream  ours, streamed (partial/disjoint, rollout.stream_chunk): shards travel in chunks as
                 they are produced; a rank holds its received shard and a chunk or two in flight.
 
-SampleBatch has no image column, so the images travel as raw buffers (what wire.py does per column).
+SampleBatch has no image column, so the images travel as raw buffers (what comm/transport.py does per column).
 Prints a rich table, writes bench/results/driver_memory.json. Target: busiest rank <= 1/6 of the driver.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ NOTES = ("Tiny random policy/judge with a tuned eos rate (lengths above); 4 rank
 
 
 def build_models(root: Path, eos_rate: float) -> dict[str, str]:
-    from yatt_hpc.data.tiny_models import char_gpt2, save_char_model, set_eos_rate
+    from yatt_hpc.demo.tiny_models import char_gpt2, save_char_model, set_eos_rate
 
     out = {}
     for seed, name in enumerate(("policy", "judge")):
@@ -94,7 +94,7 @@ def run_once(mode: str, chunk: int | str, models: dict, args, root: Path, i: int
 
 def length_profile(policy: str, max_new_tokens: int) -> dict:
     """Response lengths of 128 samples of the untrained policy on demo prompts (what step 1 sees)."""
-    from yatt_hpc.data.tokenizer import CharTokenizer
+    from yatt_hpc.demo.char_tokenizer import CharTokenizer
     from yatt_hpc.rollout import GenerationRequest, build_engine
 
     prompt = CharTokenizer().encode("reverse abcdab=")

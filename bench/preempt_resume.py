@@ -69,7 +69,7 @@ def ranks_alive(run_dir: Path) -> bool:
             text = cmdline.read_bytes()
         except OSError:
             continue
-        if b"yatt_hpc.control.worker" in text and str(run_dir).encode() in text:
+        if b"yatt_hpc.runtime.worker" in text and str(run_dir).encode() in text:
             return True
     return False
 

@@ -34,7 +34,7 @@ PHASES = ("agree", "score", "balance", "report")
 
 
 def shard(rank: int, step: int, samples: int, n: int):
-    from yatt_hpc.control.wire import SampleBatch
+    from yatt_hpc.batch import SampleBatch
 
     rng = np.random.default_rng([rank, step])
     plen = rng.integers(128, 385, samples).astype(np.int32)
@@ -51,7 +51,7 @@ def shard(rank: int, step: int, samples: int, n: int):
 def exchange(comm, batch, dest: int, source: int, tag: int):
     from mpi4py import MPI
 
-    from yatt_hpc.control.wire import isend_batch, recv_batch
+    from yatt_hpc.comm.transport import isend_batch, recv_batch
 
     requests, _buffers = isend_batch(comm, dest, tag, batch)
     got, _ = recv_batch(comm, source, tag)
@@ -62,8 +62,8 @@ def exchange(comm, batch, dest: int, source: int, tag: int):
 def worker(args) -> None:
     from mpi4py import MPI
 
-    from yatt_hpc.control.balance import flops_coeff
-    from yatt_hpc.control.rebalance import Rebalancer
+    from yatt_hpc.comm.rebalance import Rebalancer
+    from yatt_hpc.sched.balance import flops_coeff
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -37,7 +37,7 @@ MODES = ("wire", "wire-packed", "wire-stream", "cols", "raw-alloc", "raw")
 
 
 def make_batch(samples: int, seed: int = 0):
-    from yatt_hpc.control.wire import SampleBatch
+    from yatt_hpc.batch import SampleBatch
 
     rng = np.random.default_rng(seed)
     plen = rng.integers(128, 385, samples).astype(np.int32)
@@ -52,7 +52,7 @@ def make_batch(samples: int, seed: int = 0):
 
 
 def one_round(comm, mode: str, batch, raw: np.ndarray, messages: int) -> float:
-    from yatt_hpc.control.wire import _COLUMNS, StreamSender, pack, recv_batch, send_batch
+    from yatt_hpc.comm.transport import _COLUMNS, StreamSender, pack, recv_batch, send_batch
 
     rank = comm.Get_rank()
     ack = np.zeros(1, np.int8)

@@ -61,7 +61,7 @@ def slurm_cluster() -> str:
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Random tiny GPT-2 policy and judge with the character tokenizer: fast plumbing tests that do
     not need a policy that learns (the demo models under models/demo are for that)."""
-    from yatt_hpc.data.tiny_models import save_random_pair
+    from yatt_hpc.demo.tiny_models import save_random_pair
 
     return save_random_pair(tmp_path_factory.mktemp("tiny_models"), n_embd=32, n_positions=64)
 
@@ -126,6 +126,10 @@ def small_disk():
     yield disk
     disk.unmount_all()
 
+# Every run a test starts checks the step protocol at run time (yatt_hpc/roles/protocol.py): a rank
+# that would take another collective than the others fails naming where, instead of hanging.
+os.environ.setdefault("YATT_PROTOCOL_CHECK", "1")
+
 
 def _become_subreaper() -> None:
     """Orphans of what a test started (mpirun once its launcher exited, say) become children of this
@@ -163,15 +167,15 @@ def tree_pids(root: int) -> list[int]:
     return [p for p in out if p != root or Path(f"/proc/{p}").exists()]
 
 
-def leftover_pids() -> list[int]:
-    """Every live process this pytest process started, directly or not, that is still running (tests run
-    one at a time, so at a test's end these are that test's)."""
-    return [p for p in tree_pids(os.getpid()) if p != os.getpid()]
+def leftover_pids(baseline: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """Every live process this pytest process started, directly or not, minus `baseline` (what was
+    alive before the test began: e.g. the orted of pytest's own MPI singleton, which must live)."""
+    return [p for p in tree_pids(os.getpid()) if p != os.getpid() and p not in baseline]
 
 
-def kill_leftovers() -> list[int]:
-    """SIGKILL whatever `leftover_pids` finds; returns their pids."""
-    pids = leftover_pids()
+def kill_leftovers(baseline: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """SIGKILL whatever `leftover_pids(baseline)` finds; returns their pids."""
+    pids = leftover_pids(baseline)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

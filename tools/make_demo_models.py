@@ -5,7 +5,7 @@
 
 Both are GPT2LMHeadModel (tied embeddings, gelu_new, no dropout, vocab padded to a multiple of 8)
 over the character tokenizer, so the trainer's HF -> Megatron GPT-2 converter loads the policy.
-The task is `yatt_hpc.data.demo_task` (reverse a six-letter word over "abcd").
+The task is `yatt_hpc.demo.task` (reverse a six-letter word over "abcd").
 
 Policy: supervised on a *noisy teacher* that answers correctly only `--clean-fraction` of the time
 and otherwise gives a near miss (swapped, substituted, dropped letters, unreversed word...). The
@@ -35,10 +35,12 @@ import torch
 import transformers
 from transformers import GPT2LMHeadModel
 
-from yatt_hpc.data.demo_task import demo_row, near_miss
-from yatt_hpc.data.tiny_models import char_gpt2, save_char_model
-from yatt_hpc.data.tokenizer import CharTokenizer
-from yatt_hpc.reward.genrm import GenRMJudge, build_judge_prompt, combine_reward, judge_agrees, verdict_text
+from yatt_hpc.demo.char_tokenizer import CharTokenizer
+from yatt_hpc.demo.task import demo_row, near_miss
+from yatt_hpc.demo.tiny_models import char_gpt2, save_char_model
+from yatt_hpc.reward.judge import GenRMJudge
+from yatt_hpc.reward.mixing import combine_reward, judge_agrees
+from yatt_hpc.reward.template import build_judge_prompt, verdict_text
 from yatt_hpc.reward.verifier import rule_score
 
 POLICY_SHAPE = {"n_embd": 64, "n_layer": 3, "n_head": 4}
@@ -250,7 +252,7 @@ def main() -> None:
     print("judge:", judge_metrics, flush=True)
     rl_metrics = measure_rl_signal(policy, judge, tok, args.seed + 300)
     print("rl signal:", rl_metrics, flush=True)
-    common = {"task": "reverse a six-letter word over 'abcd' (yatt_hpc.data.demo_task)", "seed": args.seed,
+    common = {"task": "reverse a six-letter word over 'abcd' (yatt_hpc.demo.task)", "seed": args.seed,
               "parameters": sum(p.numel() for p in policy.parameters()),
               "build_seconds": round(time.perf_counter() - t0, 1), "args": {k: str(v) for k, v in vars(args).items()}}
     save(policy, tok, args.out / "policy", {**common, "policy": policy_metrics, "rl_signal": rl_metrics}, sampling=True)

@@ -30,7 +30,7 @@ class _Group(click.Group):
     """Turns every known user error into one `error: ...` message and exit code 2."""
 
     def invoke(self, ctx: click.Context):
-        from yatt_hpc.control.inputs import USER_ERRORS
+        from yatt_hpc.errors import USER_ERRORS
         from yatt_hpc.launch.local import LaunchError
 
         try:
@@ -108,8 +108,8 @@ def plan_cmd(config_path: str, overrides: tuple[str, ...], run_dir: str, as_sbat
 @_overrides
 def run_cmd(config_path: str, run_dir: Path, overrides: tuple[str, ...]) -> None:
     """Run CONFIG: one MPI world (mpirun here, srun --mpi=pmix inside a Slurm allocation)."""
-    from yatt_hpc.control.inputs import check_model_dirs
     from yatt_hpc.launch.local import launch_run
+    from yatt_hpc.runtime.inputs import check_model_dirs
 
     cfg, p = load_and_plan(config_path, overrides)
     check_model_dirs(cfg)

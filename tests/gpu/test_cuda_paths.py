@@ -22,8 +22,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 torch.use_deterministic_algorithms(True)
 
 from tests.mpi.convert_tp2_worker import TINY_CASES, tiny_hf_model  # noqa: E402
+from yatt_hpc.batch import SampleBatch  # noqa: E402
 from yatt_hpc.config.schema import TrainConfig  # noqa: E402
-from yatt_hpc.control.wire import SampleBatch  # noqa: E402
 from yatt_hpc.rollout import GenerationRequest, build_engine  # noqa: E402
 from yatt_hpc.train import convert  # noqa: E402
 
@@ -101,7 +101,7 @@ def test_grpo_update_on_cuda_and_release_resume_is_exact(nccl_world):
 
 
 def test_rollout_engine_and_judge_release_their_device_memory():
-    from yatt_hpc.reward.genrm import GenRMJudge
+    from yatt_hpc.reward.judge import GenRMJudge
 
     engine = build_engine("hf", str(DEMO / "policy"), device="cuda", tp_size=1, seed=0)
     request = GenerationRequest(sample_id=7, prompt_ids=np.array([5, 6, 7, 8], np.int32), max_new_tokens=8,

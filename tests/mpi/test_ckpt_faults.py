@@ -75,8 +75,10 @@ def test_a_full_disk_at_a_checkpoint_fails_the_run_in_one_line_and_a_rerun_after
     lines = [line for line in failed.stderr.splitlines() if "disk full" in line]
     print("\n".join(lines[:1]))
     assert lines, failed.stderr[-4000:]
+    assert failed.returncode == 2, "a full disk is the user's to fix: the user-error exit code"
+    assert any("] error: checkpoint step 2 was not committed" in line for line in lines), lines
     for line in lines:
-        assert "DiskFullError: checkpoint step 2 was not committed" in line
+        assert "checkpoint step 2 was not committed" in line
         for part in ("No space left on device", f"Writing {inc}: ", " free of ", "Fix: free space", "--run-dir",
                      "it resumes from step 1"):
             assert part in line, (part, line)

@@ -28,7 +28,7 @@ def heavy_judge(tmp_path_factory):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from yatt_hpc.data.tokenizer import CharTokenizer
+    from yatt_hpc.demo.char_tokenizer import CharTokenizer
 
     path = tmp_path_factory.mktemp("heavy_judge") / "judge"
     tok = CharTokenizer()

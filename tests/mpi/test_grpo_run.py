@@ -101,7 +101,7 @@ def test_dataset_row_without_prompt_stops_every_rank(mpirun, tmp_path):
 def test_hand_launch_with_wrong_rank_count_fails_fast(mpirun, tmp_path, two_step_run):
     run_dir = tmp_path / "run"
     shutil.copytree(two_step_run, run_dir, ignore=shutil.ignore_patterns("tb", "logs", "*.jsonl"))
-    cmd = [mpirun, "--oversubscribe", "-np", "5", sys.executable, "-m", "yatt_hpc.control.worker",
+    cmd = [mpirun, "--oversubscribe", "-np", "5", sys.executable, "-m", "yatt_hpc.runtime.worker",
            "--group", "trainer", "--run-dir", str(run_dir)]
     proc = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0

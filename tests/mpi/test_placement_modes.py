@@ -73,7 +73,7 @@ def test_mode_runs_and_scores_every_sample_once(mpirun, tiny_models, tmp_path, m
 @pytest.fixture(scope="module")
 def long_tail_models(tiny_models, tmp_path_factory):
     """A policy whose responses end with P(eos) ~ 8% per token (lengths from 1 to the cap) and the tiny judge."""
-    from yatt_hpc.data.tiny_models import char_gpt2, save_char_model, set_eos_rate
+    from yatt_hpc.demo.tiny_models import char_gpt2, save_char_model, set_eos_rate
 
     model = char_gpt2(n_embd=32, n_positions=128, seed=0)
     set_eos_rate(model, 0.08)

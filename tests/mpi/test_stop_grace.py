@@ -54,13 +54,15 @@ def start(run_dir, extra=(), config="configs/demo_cpu.yaml"):
 @pytest.fixture
 def run_dir(tmp_path):
     """The interrupted run's directory; whatever of that run is still alive afterwards (a failed test) is killed."""
+    before = set(leftover_pids())
     yield tmp_path / "run"
-    kill_leftovers()
+    kill_leftovers(before)
 
 
 def interrupt_in_step_2(run_dir, extra=(), config="configs/demo_cpu.yaml"):
     """Start a run, SIGTERM it early in step 2, wait for every process to exit; check the give-up.
     Returns (seconds from the signal to: the leader's decision, the commit marker, the exit; output)."""
+    before = set(leftover_pids())
     proc = start(run_dir, extra, config)
     deadline = time.monotonic() + 300
     while finished_steps(run_dir) < 1 and proc.poll() is None:
@@ -86,7 +88,7 @@ def interrupt_in_step_2(run_dir, extra=(), config="configs/demo_cpu.yaml"):
     record = json.loads((run_dir / "logs" / "stop_local_0.json").read_text())
     assert record["step"] == 1 and "gave up step 2" in record["abandoned"], record
     assert "run the same command again to resume" in out
-    assert leftover_pids() == [], "processes of the stopped run are still alive"
+    assert leftover_pids(before) == [], "processes of the stopped run are still alive"
     return decided, committed, exited, out
 
 

@@ -3,7 +3,7 @@
     mpirun -np 2 python tests/programs/abort_probe.py MODEL_DIR OUT_DIR
 
 Rank 0 plays GenRM: it sends TAG_STOP for owner 7 and for nobody else. Rank 1 generates two chunks
-with a real HF engine through `generate_until_stopped`: one of owner 7 only (the engine must be
+with a real HF engine under the rollout rank's `StopWatch`: one of owner 7 only (the engine must be
 aborted: rows come back `abort`), one of owners 7 and 8 (owner 8 still wants its samples: the
 chunk runs to the end). It writes what it saw to OUT_DIR/abort.json.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from yatt_hpc.control.rollout_ctl import generate_until_stopped
-from yatt_hpc.control.wire import TAG_STOP, send_ints, wait_for_message
+from yatt_hpc.comm.transport import TAG_STOP, send_ints, wait_for_message
+from yatt_hpc.roles.rollout import StopWatch
 from yatt_hpc.rollout import GenerationRequest, build_engine
 
 
@@ -34,7 +34,14 @@ def main() -> None:
     for name, owners in (("alone", {7}), ("shared", {7, 8})):
         comm.Barrier()
         wait_for_message(comm, 0, TAG_STOP)
-        done, stops = generate_until_stopped(comm, engine, lambda: engine.generate(requests), owners, set())
+        stops, stopped = [], set()
+
+        def on_stop(owner: int, stops=stops, stopped=stopped) -> None:
+            stops.append(owner)
+            stopped.add(owner)
+
+        with StopWatch(comm, engine).beside(on_stop, owners, stopped):
+            done = engine.generate(requests)
         seen[name] = {"stops": stops, "finish": [r.finish_reason for r in done],
                       "tokens": [len(r.response_ids) for r in done]}
         comm.Barrier()

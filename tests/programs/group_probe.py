@@ -17,8 +17,8 @@ from pathlib import Path
 
 from mpi4py import MPI
 
+from yatt_hpc.comm.world import build_world
 from yatt_hpc.config import load_config
-from yatt_hpc.control.world import build_world
 from yatt_hpc.placement import plan
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from yatt_hpc.control.rebalance import Rebalancer
-from yatt_hpc.control.wire import SampleBatch
+from yatt_hpc.batch import SampleBatch
+from yatt_hpc.comm.rebalance import Rebalancer
 
 
 def start_batch(rank: int) -> SampleBatch:

@@ -13,8 +13,9 @@ import torch
 from mpi4py import MPI
 from safetensors.torch import save_file
 
-from yatt_hpc.control.weight_sync import recv_weights, send_weights
-from yatt_hpc.control.wire import TAG_SAMPLES, SampleBatch, bcast_batch, recv_batch, send_batch
+from yatt_hpc.batch import SampleBatch
+from yatt_hpc.comm.transport import TAG_SAMPLES, bcast_batch, recv_batch, send_batch
+from yatt_hpc.comm.weight_sync import recv_weights, send_weights
 
 
 def make_batch(seed: int) -> SampleBatch:

@@ -13,8 +13,8 @@ import sys
 
 from mpi4py import MPI
 
+from yatt_hpc.comm.world import build_world
 from yatt_hpc.config import load_config
-from yatt_hpc.control.world import build_world
 from yatt_hpc.placement import plan
 
 
@@ -26,14 +26,15 @@ def main() -> None:
     world = build_world(p, comm)
     group_sum = world.group_comm.allreduce(world.rank)
     heard = {}
-    for other, ic in sorted(world.inter.items()):
-        # group-rank-0 of each side exchanges its world rank with the other side's rank 0
+    for other in sorted(g.name for g in p.groups if g.name != world.group):
+        # group-rank-0 of each side exchanges its world rank with the other side's first rank
         if world.group_rank == 0:
-            heard[other] = ic.sendrecv(world.rank, dest=0, source=0)
+            first = p.group(other).rank_start
+            heard[other] = comm.sendrecv(world.rank, dest=first, source=first)
     report = {
         "world_rank": world.rank, "world_size": comm.Get_size(), "group": world.group,
         "group_rank": world.group_rank, "group_size": world.group_comm.Get_size(), "group_rank_sum": group_sum,
-        "inter_remote_sizes": {k: ic.Get_remote_size() for k, ic in world.inter.items()}, "heard": heard,
+        "heard": heard,
         "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
         "slurm_step": os.environ.get("SLURM_STEP_ID"), "is_leader": world.is_leader,
     }

@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from yatt_hpc.control.balance import contiguous_split, imbalance, karmarkar_karp, sorted_stride_split, workload
+from yatt_hpc.sched.balance import contiguous_split, imbalance, karmarkar_karp, sorted_stride_split, workload
 
 
 def brute_force_best_max(weights, k):

@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from yatt_hpc.data.demo_task import ALPHABET, NEAR_MISSES, WORD_LENGTH, demo_row, demo_rows, near_miss, split_of
-from yatt_hpc.data.tokenizer import TOKENIZER_FILE, CharTokenizer, load_tokenizer
+from yatt_hpc.data.tokenizer import load_tokenizer
+from yatt_hpc.demo.char_tokenizer import TOKENIZER_FILE, CharTokenizer
+from yatt_hpc.demo.task import ALPHABET, NEAR_MISSES, WORD_LENGTH, demo_row, demo_rows, near_miss, split_of
 from yatt_hpc.reward.verifier import rule_score
 
 

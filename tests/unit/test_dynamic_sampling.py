@@ -1,7 +1,7 @@
 """Dynamic sampling state machine: wave sizes, EMA, padding, state roundtrip (hand-computed)."""
 import math
 
-from yatt_hpc.control.dynamic_sampling import DynamicSampler, has_signal
+from yatt_hpc.sched.dynamic_sampling import DynamicSampler, has_signal
 
 
 def test_valid_group_needs_reward_variance():

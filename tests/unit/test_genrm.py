@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from yatt_hpc.data.demo_task import demo_rows, near_miss
 from yatt_hpc.data.tokenizer import load_tokenizer
-from yatt_hpc.reward.genrm import GenRMJudge, build_judge_prompt, combine_reward, judge_agrees, parse_verdict
+from yatt_hpc.demo.task import demo_rows, near_miss
+from yatt_hpc.reward.judge import GenRMJudge
+from yatt_hpc.reward.mixing import combine_reward, judge_agrees
+from yatt_hpc.reward.template import build_judge_prompt
+from yatt_hpc.reward.verdict import parse_verdict
 from yatt_hpc.reward.verifier import rule_score
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"

@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from yatt_hpc.comm.prompt_routing import assign_least_loaded, rank_loads, spread
 from yatt_hpc.config import ConfigError, load_config
-from yatt_hpc.control.overdispatch import PromptQueue, ReplicaWave, RolloutWork, dispatch_count, keep_lowest
-from yatt_hpc.control.prompt_routing import assign_least_loaded, rank_loads, spread
+from yatt_hpc.sched.overdispatch import PromptQueue, ReplicaWave, RolloutWork, dispatch_count, keep_lowest
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -103,7 +103,7 @@ def test_group_of_outside_world_names_the_fix():
 def test_launch_lines_are_one_mpmd_world():
     p = plan(cfg("disjoint_cpu.yaml"))
     local = render(local_launch(p, "runs/x y", python="py"))
-    assert local.count(" : ") == 2 and "-np 4 py -m yatt_hpc.control.worker --group trainer --run-dir 'runs/x y'" in local
+    assert local.count(" : ") == 2 and "-np 4 py -m yatt_hpc.runtime.worker --group trainer --run-dir 'runs/x y'" in local
     srun = srun_launch(p, "r", python="py")
     assert srun[:3] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=1"]
     # one step over all het components; rank_group maps each world rank to its group's --group

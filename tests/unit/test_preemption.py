@@ -1,7 +1,7 @@
 """Stop decisions are pure: the wall-time deadline and whether to requeue, with the reason."""
 import pytest
 
-from yatt_hpc.control.preemption import DEADLINE, SIGNAL, decide_requeue, past_deadline
+from yatt_hpc.sched.requeue import DEADLINE, SIGNAL, decide_requeue, past_deadline
 
 
 @pytest.mark.parametrize("now, end, step, save, expected", [

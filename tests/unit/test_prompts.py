@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from yatt_hpc.config.schema import DataConfig
-from yatt_hpc.data.demo_task import demo_row
 from yatt_hpc.data.prompts import (
     DatasetError,
     DemoTaskSource,
@@ -20,7 +19,8 @@ from yatt_hpc.data.prompts import (
     epoch_permutation,
     open_prompt_source,
 )
-from yatt_hpc.data.tokenizer import CharTokenizer
+from yatt_hpc.demo.char_tokenizer import CharTokenizer
+from yatt_hpc.demo.task import demo_row
 
 
 def _write(path, lines: list[str]):

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from yatt_hpc.config import load_config
-from yatt_hpc.control.routing import Routes
 from yatt_hpc.placement import plan
+from yatt_hpc.sched.routing import Routes
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 
 from yatt_hpc.config import load_config
-from yatt_hpc.control.routing import RoleSplit, Routes
-from yatt_hpc.control.split import SplitSchedule, decide_split, predicted_busy_s, role_busy_s
 from yatt_hpc.placement import PlanError, plan
+from yatt_hpc.sched.routing import RoleSplit, Routes
+from yatt_hpc.sched.split import SplitSchedule, decide_split, predicted_busy_s, role_busy_s
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from yatt_hpc.control.preemption import SIGNAL, StopFlag
-from yatt_hpc.control.stop_watchdog import StepGuard, StepRecord, StopWatchdog, should_abandon
+from yatt_hpc.runtime.signals import StopFlag
+from yatt_hpc.runtime.stop_watchdog import StepGuard, StepRecord, StopWatchdog, should_abandon
+from yatt_hpc.sched.requeue import SIGNAL
 
 
 class Run:

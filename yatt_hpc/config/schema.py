@@ -281,7 +281,7 @@ class SlurmConfig(Section):
 
 
 class HealthConfig(Section):
-    """Noticing a rank that stops answering (yatt_hpc/control/health.py)."""
+    """Noticing a rank that stops answering (yatt_hpc/runtime/health.py)."""
 
     heartbeat_s: float = Field(5.0, gt=0, le=600)
     """Seconds between the heartbeats every rank's monitor thread sends (its own communicator, not the data plane)."""

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
-from yatt_hpc.data.demo_task import SPLITS, demo_row
+from yatt_hpc.demo.task import SPLITS, demo_row
 
 if TYPE_CHECKING:
     from yatt_hpc.config.schema import DataConfig
-    from yatt_hpc.data.tokenizer import CharTokenizer
+    from yatt_hpc.demo.char_tokenizer import CharTokenizer
 
 DEMO_CONTENT_SEED = 0
 """Seed of the demo task's words; the walk order has its own seed (`data.seed`)."""

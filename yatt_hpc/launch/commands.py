@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from yatt_hpc.placement import Plan
 
-WORKER_MODULE = "yatt_hpc.control.worker"
+WORKER_MODULE = "yatt_hpc.runtime.worker"
 RANK_GROUP_MODULE = "yatt_hpc.launch.rank_group"
 
 

@@ -28,12 +28,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from yatt_hpc.config import load_config
-from yatt_hpc.control.preemption import stop_record_name
 from yatt_hpc.launch.commands import rank_hosts, render, srun_launch
 from yatt_hpc.launch.local import LaunchError, gave_up_step, launch_env, prepare_run_dir
 from yatt_hpc.launch.rank_group import EXIT_DIR_ENV
 from yatt_hpc.launch.slurm_env import SlurmEnv
 from yatt_hpc.placement import Plan, plan
+from yatt_hpc.sched.requeue import stop_record_name
 
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 _WORKER_LINE = re.compile(r"yatt-hpc \[(?P<group>\w+) rank (?P<rank>\d+)\] (?:failed|error): (?P<what>.*)")
@@ -69,7 +69,7 @@ class Launcher:
     """The callable `yatt-hpc submit` hands to submitit: runs in the batch shell of the job."""
 
     run_dir: str
-    program: tuple[str, ...] | None = None  # replaces the worker (tests); None runs yatt_hpc.control.worker
+    program: tuple[str, ...] | None = None  # replaces the worker (tests); None runs yatt_hpc.runtime.worker
 
     def __call__(self) -> RunSummary:
         summary = launch_in_allocation(Path(self.run_dir), SlurmEnv.from_environ(os.environ), self.program)

@@ -18,9 +18,9 @@ import threading
 from pathlib import Path
 
 from yatt_hpc.config import RunConfig, to_yaml
-from yatt_hpc.control.preemption import stop_record_name
 from yatt_hpc.launch.commands import local_launch, render
 from yatt_hpc.placement import Plan
+from yatt_hpc.sched.requeue import stop_record_name
 
 
 class LaunchError(Exception):

@@ -1,7 +1,7 @@
 """Start one rank of an srun step as the group its world rank belongs to, and record how it ended.
 
     srun --ntasks=4 --distribution=arbitrary python -m yatt_hpc.launch.rank_group \\
-        trainer=0-1,rollout=2-2,genrm=3-3 -- python -m yatt_hpc.control.worker --run-dir RUN_DIR
+        trainer=0-1,rollout=2-2,genrm=3-3 -- python -m yatt_hpc.runtime.worker --run-dir RUN_DIR
 
 Colocated groups share nodes, and Slurm gives each component of a heterogeneous step its own
 nodes, so shared modes run one plain step and this shim starts the worker with `--group G` for

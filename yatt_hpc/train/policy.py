@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from yatt_hpc.activity import ACTIVITY
+from yatt_hpc.batch import SampleBatch
 from yatt_hpc.config.schema import TrainConfig
-from yatt_hpc.control.wire import SampleBatch
 from yatt_hpc.offload import HostParking
 from yatt_hpc.train import convert, megatron_model
 from yatt_hpc.train.grpo import policy_loss

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from yatt_hpc.control.balance import imbalance, karmarkar_karp, workload
-from yatt_hpc.control.wire import SampleBatch, recv_batch, send_batch
+from yatt_hpc.batch import SampleBatch
+from yatt_hpc.comm.transport import recv_batch, send_batch
+from yatt_hpc.sched.balance import imbalance, karmarkar_karp, workload
 
 TAG_BALANCE = 15
 

@@ -3,7 +3,6 @@
     from mpi4py import MPI
     world = build_world(plan(cfg), MPI.COMM_WORLD, expected_group="trainer")
     world.group_comm          # intra-communicator of this rank's group
-    world.inter["rollout"]    # inter-communicator to another group (remote ranks = that group's ranks)
 
 Every rank calls this collectively right after MPI starts. A rank whose launch disagrees with the
 plan (wrong world size, wrong group for its rank) raises `LaunchMismatch` on every rank alike, so
@@ -11,12 +10,11 @@ the launch fails at once with one message instead of hanging in a later collecti
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from yatt_hpc.placement import GROUPS, Plan
 
 LEADER_RANK = 0  # world rank 0 = trainer rank 0: decisions (stop, requeue), never data
-_INTERCOMM_TAG = 7301
 
 
 class LaunchMismatch(RuntimeError):
@@ -29,7 +27,6 @@ class World:
     plan: Plan
     group: str
     group_comm: object
-    inter: dict[str, object] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -44,14 +41,11 @@ class World:
         return self.rank == LEADER_RANK
 
     def free(self) -> None:
-        for ic in self.inter.values():
-            ic.Free()
-        self.inter.clear()
         self.group_comm.Free()
 
 
 def build_world(plan: Plan, comm, expected_group: str | None = None) -> World:
-    """Split `comm` into group communicators and connect every pair of groups (collective)."""
+    """Split `comm` into group communicators (collective). Groups talk over `comm` itself, point to point."""
     rank, size = comm.Get_rank(), comm.Get_size()
     problem = ""
     if size != plan.world_size:
@@ -67,12 +61,4 @@ def build_world(plan: Plan, comm, expected_group: str | None = None) -> World:
         raise LaunchMismatch(problems[0])
     color = GROUPS.index(group)
     group_comm = comm.Split(color, rank)
-    world = World(comm, plan, group, group_comm)
-    for other in GROUPS:
-        if other == group:
-            continue
-        remote_leader = plan.group(other).rank_start  # world rank of the other group's first rank
-        # both sides must use the same tag for one pair: derive it from the unordered pair
-        pair = tuple(sorted((color, GROUPS.index(other))))
-        world.inter[other] = group_comm.Create_intercomm(0, comm, remote_leader, _INTERCOMM_TAG + 3 * pair[0] + pair[1])
-    return world
+    return World(comm, plan, group, group_comm)

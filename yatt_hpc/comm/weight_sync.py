@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from yatt_hpc.activity import ACTIVITY
-from yatt_hpc.control.wire import TAG_WEIGHTS, wait_for_message
+from yatt_hpc.comm.transport import TAG_WEIGHTS, wait_for_message
 
 _DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)}
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from yatt_hpc.control.routing import Routes
+from yatt_hpc.sched.routing import Routes
 
 
 def assign_least_loaded(loads: Sequence[Sequence[float]], n_ranks: int) -> list[list[int]]:

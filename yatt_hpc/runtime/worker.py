@@ -1,6 +1,6 @@
 """The program every rank runs: join the MPI world, become a trainer, rollout or GenRM controller.
 
-    python -m yatt_hpc.control.worker --group trainer --run-dir RUN_DIR     # one rank; see `yatt-hpc plan`
+    python -m yatt_hpc.runtime.worker --group trainer --run-dir RUN_DIR     # one rank; see `yatt-hpc plan`
 
 `yatt-hpc run` (mpirun) and `yatt-hpc submit` (srun --mpi=pmix) start it in one MPMD launch; the
 resolved config is RUN_DIR/config.yaml. Each rank logs to RUN_DIR/logs/rank-NNNN-GROUP.log.
@@ -21,8 +21,9 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from yatt_hpc.control.inputs import USER_ERRORS, check_model_dirs
+from yatt_hpc.errors import USER_ERRORS
 from yatt_hpc.placement import GROUPS
+from yatt_hpc.runtime.inputs import check_model_dirs
 
 EXIT_USER_ERROR, EXIT_BUG = 2, 1
 
@@ -40,25 +41,25 @@ def setup_logging(run_dir: Path, rank: int, group: str, level: str) -> Path:
     return path
 
 
-def build_controller(world, cfg, run_dir: Path, stats):
+def build_controller(world, cfg, run_dir: Path, stats, protocol):
     import torch
 
     torch.set_num_threads(world.plan.group(world.group).cpus_per_task)
     if world.group == "trainer":
-        from yatt_hpc.control.trainer_ctl import TrainerController
+        from yatt_hpc.roles.trainer import TrainerController
 
-        return TrainerController(world, cfg, run_dir, stats)
+        return TrainerController(world, cfg, run_dir, stats, protocol)
     if world.plan.dynamic_split:  # rollout and GenRM ranks form one pool; each step says who does what
-        from yatt_hpc.control.pool_ctl import PoolController
+        from yatt_hpc.roles.pool import PoolController
 
-        return PoolController(world, cfg, stats)
+        return PoolController(world, cfg, stats, protocol)
     if world.group == "rollout":
-        from yatt_hpc.control.rollout_ctl import RolloutController
+        from yatt_hpc.roles.rollout import RolloutController
 
-        return RolloutController(world, cfg, stats)
-    from yatt_hpc.control.genrm_ctl import GenRMController
+        return RolloutController(world, cfg, stats, protocol)
+    from yatt_hpc.roles.genrm import GenRMController
 
-    return GenRMController(world, cfg, stats)
+    return GenRMController(world, cfg, stats, protocol)
 
 
 def quiet_libraries() -> None:
@@ -74,15 +75,16 @@ def run_rank(group: str, run_dir: Path) -> str:
     from rich.console import Console
 
     from yatt_hpc.ckpt import CheckpointManager
+    from yatt_hpc.comm.world import build_world
     from yatt_hpc.config import load_config
-    from yatt_hpc.control.loop import SlurmFacts, StepLoop
-    from yatt_hpc.control.preemption import StopFlag
-    from yatt_hpc.control.rank_stats import RankStats
-    from yatt_hpc.control.world import build_world
     from yatt_hpc.launch.requeue import job_end_time
     from yatt_hpc.launch.slurm_env import SlurmEnv
     from yatt_hpc.metrics import build_metrics
     from yatt_hpc.placement import plan
+    from yatt_hpc.roles.protocol import StepProtocol, check_requested
+    from yatt_hpc.runtime.loop import SlurmFacts, StepLoop
+    from yatt_hpc.runtime.rank_stats import RankStats
+    from yatt_hpc.runtime.signals import StopFlag
 
     stop_flag = StopFlag.install()  # first: a signal during the slow start-up must not kill us mid-write
     quiet_libraries()
@@ -92,7 +94,8 @@ def run_rank(group: str, run_dir: Path) -> str:
     check_model_dirs(cfg)
     (run_dir / "timeline").mkdir(exist_ok=True)
     stats = RankStats(group, run_dir / "timeline" / f"rank-{world.rank:04d}-{group}.jsonl")
-    controller = build_controller(world, cfg, run_dir, stats)
+    protocol = StepProtocol(world.comm, world.plan, check=check_requested(os.environ))  # on in tests
+    controller = build_controller(world, cfg, run_dir, stats, protocol)
     metrics = build_metrics(run_dir, is_writer=world.is_leader, tensorboard=cfg.logging.tensorboard)
     console = Console(force_terminal=sys.stdout.isatty(), width=160) if world.is_leader else None
     slurm_env = SlurmEnv.from_environ(os.environ)
@@ -100,7 +103,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     ckpt = CheckpointManager(run_dir, world.comm, keep_last=cfg.checkpoint.keep_last,
                              async_save=cfg.checkpoint.async_save)
     try:
-        outcome = StepLoop(world, cfg, controller, stats, metrics, ckpt, stop_flag, console, run_dir, slurm,
+        outcome = StepLoop(world, cfg, controller, stats, metrics, ckpt, stop_flag, protocol, console, run_dir, slurm,
                            config_yaml).run()
     finally:
         metrics.close()

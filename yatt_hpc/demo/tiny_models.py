@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from yatt_hpc.data.tokenizer import CharTokenizer
+from yatt_hpc.demo.char_tokenizer import CharTokenizer
 
 
 def char_gpt2(n_embd: int = 32, n_layer: int = 2, n_head: int = 2, n_positions: int = 64, seed: int | None = None):

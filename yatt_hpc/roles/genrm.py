@@ -1,10 +1,10 @@
 """The GenRM group's controller: one per judge replica.
 
-    ctl = GenRMController(world, cfg, stats)
+    ctl = GenRMController(world, cfg, stats, protocol)
     ctl.step(step)     # receive generated samples -> judge + rule verifier -> scored samples to owners
 
 The judge generates a verdict text per (question, response); the parser turns it into a score;
-unparseable verdicts get `reward.parse_fail_score` and are counted. See `trainer_ctl` for the flow.
+unparseable verdicts get `reward.parse_fail_score` and are counted. See `roles/trainer.py` for the flow.
 """
 from __future__ import annotations
 
@@ -13,39 +13,39 @@ import logging
 import numpy as np
 from mpi4py import MPI
 
-from yatt_hpc.config.schema import RunConfig
-from yatt_hpc.control.controller import BaseController
-from yatt_hpc.control.overdispatch import ReplicaWave
-from yatt_hpc.control.phases import PhaseGate
-from yatt_hpc.control.rank_stats import RankStats
-from yatt_hpc.control.routing import Routes
-from yatt_hpc.control.wire import (
+from yatt_hpc.batch import SampleBatch
+from yatt_hpc.comm.transport import (
     TAG_COUNT,
     TAG_END,
     TAG_SAMPLES,
     TAG_SCORED,
     TAG_STOP,
-    SampleBatch,
     StreamSender,
-    agree_more,
     recv_batch,
     recv_ints,
     send_ints,
     wait_for_any,
 )
+from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.data.tokenizer import load_tokenizer
-from yatt_hpc.reward.genrm import GenRMJudge, combine_reward
+from yatt_hpc.reward.judge import GenRMJudge
+from yatt_hpc.reward.mixing import combine_reward
 from yatt_hpc.reward.verifier import rule_score
+from yatt_hpc.roles.base import BaseController
+from yatt_hpc.roles.colocation import holding_devices
+from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
+from yatt_hpc.runtime.rank_stats import RankStats
+from yatt_hpc.sched.overdispatch import ReplicaWave
+from yatt_hpc.sched.routing import Routes
 
 log = logging.getLogger(__name__)
 
 
 class GenRMController(BaseController):
-    def __init__(self, world, cfg: RunConfig, stats: RankStats):
-        self.world, self.cfg, self.stats = world, cfg, stats
+    def __init__(self, world, cfg: RunConfig, stats: RankStats, protocol: StepProtocol):
+        self.world, self.cfg, self.stats, self.protocol = world, cfg, stats, protocol
         self.routes = Routes(world.plan)
         self.colocate = world.plan.mode == "colocate"
-        self.gate = PhaseGate(world.comm, enabled=self.colocate)
         self.handshake = cfg.rollout.over_dispatch_ratio > 1.0  # STOP/END with the rollout ranks (overdispatch)
         self.policy_tokenizer = load_tokenizer(cfg.model.path)
         rc = cfg.reward
@@ -64,18 +64,20 @@ class GenRMController(BaseController):
         return self.routes.replicas_of_genrm(self.world.rank)
 
     def step(self, step: int) -> None:
-        while True:  # one wave without dynamic sampling; the trainers decide whether another follows
-            self.wave()
-            if not agree_more(self.world.comm, False):
-                break
+        """One wave without dynamic sampling; the trainers decide whether another follows."""
+        self.protocol.waves(self.wave)
 
-    def wave(self) -> None:
-        """Score chunks as they arrive; hand each replica its kept groups once enough are scored."""
+    def wave(self) -> bool:
         sender = StreamSender(self.world.comm, max_inflight=len(self.replicas) + 1)
-        self.gate.cross("generated")
-        if self.colocate and self.judge is not None:
-            with self.stats.phase("resume"):
-                self.judge.resume_memory()
+        self.protocol.gate(GENERATED)
+        with holding_devices(self.stats, self.judge, self.colocate):  # rollout had the devices until the gate
+            self.score_wave(sender)
+        self.protocol.gate(SCORED)
+        sender.drain()
+        return False  # GenRM never asks for another wave
+
+    def score_wave(self, sender: StreamSender) -> None:
+        """Score chunks as they arrive; hand each replica its kept groups once enough are scored."""
         waves: dict[int, ReplicaWave] = {}
         for d in self.replicas:  # each served replica says what this wave brings: groups to keep, from where
             owner = self.routes.trainer_owner(d)
@@ -106,11 +108,6 @@ class GenRMController(BaseController):
                 self.advance(owner, waves[owner], parts[owner], sender)
             else:  # a straggler of a replica whose target is met: dropped unscored, its prompt is reused
                 self.stats.add("unused", len(batch))
-        if self.colocate and self.judge is not None:
-            with self.stats.phase("release"):
-                self.judge.release_memory()
-        self.gate.cross("scored")
-        sender.drain()
 
     def advance(self, owner: int, wave: ReplicaWave, parts: list[SampleBatch], sender: StreamSender) -> None:
         """Once the target is met: STOP to the rollout ranks holding the rest, kept groups to the owner."""

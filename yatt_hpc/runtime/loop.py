@@ -1,14 +1,14 @@
 """The step loop every rank runs, whatever its group, and the leader's per-step review.
 
-    StepLoop(world, cfg, controller, stats, metrics, ckpt, stop_flag, console, run_dir, slurm).run()
+    StepLoop(world, cfg, controller, stats, metrics, ckpt, stop_flag, protocol, console, run_dir, slurm).run()
 
-Per step: all ranks agree whether to stop (allreduce MAX of each rank's stop code: a signal seen
-by any rank, or the leader's wall-time deadline); with a dynamic split, take the leader's split of
-the next step (bcast; see split.py) and set the step's routes; run their controller's step; send a
-small report (times, sums, peaks: no samples) to the leader; save a checkpoint when one is due
-(with the split, if any). On a stop the ranks save (unless the step was just saved), wait for the
-write, and the leader requeues the job or says how to continue. The leader holds decisions and
-numbers, never the batch.
+Per step (every collective is the step protocol's, `roles/protocol.py`): all ranks agree whether to
+stop (the max of each rank's stop code: a signal seen by any rank, or the leader's wall-time
+deadline); with a dynamic split, take the leader's split of the next step (see sched/split.py) and
+set the step's routes; run their controller's step; send a small report (times, sums, peaks: no
+samples) to the leader; save a checkpoint when one is due (with the split, if any). On a stop the
+ranks save (unless the step was just saved), wait for the write, and the leader requeues the job
+or says how to continue. The leader holds decisions and numbers, never the batch.
 
 A step that is still running `checkpoint.stop_grace_s` after a stop signal is given up: the stop
 watchdog (`stop_watchdog.py`) has every rank commit the last completed step from what the loop
@@ -24,19 +24,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-from mpi4py import MPI
-
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.ckpt import SharedState, should_save
-from yatt_hpc.control.health import HealthMonitor
-from yatt_hpc.control.preemption import DEADLINE, NONE, REASONS, SIGNAL, decide_requeue, past_deadline, stop_record_name
-from yatt_hpc.control.routing import RoleSplit, Routes
-from yatt_hpc.control.split import SplitSchedule
-from yatt_hpc.control.stop_watchdog import StepGuard, StepRecord, StopWatchdog
-from yatt_hpc.control.summary import step_scalars
-from yatt_hpc.control.wire import wait_all
-from yatt_hpc.control.world import LEADER_RANK
+from yatt_hpc.runtime.health import HealthMonitor
+from yatt_hpc.runtime.stop_watchdog import StepGuard, StepRecord, StopWatchdog
+from yatt_hpc.runtime.summary import step_scalars
+from yatt_hpc.sched.requeue import DEADLINE, NONE, REASONS, SIGNAL, decide_requeue, past_deadline, stop_record_name
+from yatt_hpc.sched.routing import RoleSplit, Routes
+from yatt_hpc.sched.split import SplitSchedule
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +46,9 @@ class SlurmFacts:
 
 
 class StepLoop:
-    def __init__(self, world, cfg, controller, stats, metrics, ckpt, stop_flag, console=None,
+    def __init__(self, world, cfg, controller, stats, metrics, ckpt, stop_flag, protocol, console=None,
                  run_dir: Path | None = None, slurm: SlurmFacts = SlurmFacts(), config_yaml: str = ""):
-        self.world, self.cfg, self.controller, self.stats = world, cfg, controller, stats
+        self.world, self.cfg, self.controller, self.stats, self.protocol = world, cfg, controller, stats, protocol
         self.metrics, self.ckpt, self.stop_flag = metrics, ckpt, stop_flag
         self.console, self.run_dir, self.slurm, self.config_yaml = console, run_dir, slurm, config_yaml
         self.history: list[dict] = []
@@ -73,6 +68,7 @@ class StepLoop:
         health = HealthMonitor.build(self.world, self.cfg.health.heartbeat_s, self.cfg.health.stall_timeout_s,
                                      self.run_dir, f"{self.slurm.job_id or 'local'}_{self.slurm.restart_count}")
         while step < self.cfg.train.steps:
+            self.protocol.begin_step(step)
             reason = self.agree_stop()
             if reason != NONE:
                 self.guard.enter_mutation()  # from here on the loop saves; the watchdog keeps out
@@ -90,8 +86,7 @@ class StepLoop:
             self.controller.step(step)
             self.guard.end_step()
             self.step_seconds = time.perf_counter() - t0
-            with ACTIVITY.waiting("step report"):
-                reports = self.world.comm.gather(self.stats.step_report(), root=0)
+            reports = self.protocol.report(self.stats.step_report())
             if self.split is not None:
                 self.split.end_step(reports)  # the leader decides the split of step + 2 from these loads
             if self.world.is_leader:
@@ -100,10 +95,11 @@ class StepLoop:
             if should_save(step, self.cfg.checkpoint.interval, self.cfg.train.steps):
                 # Ranks done early (GenRM, while the trainers train) wait for the rest before saving:
                 # until then their state is still the step start the stop watchdog may save instead.
-                wait_all([self.world.comm.Ibarrier()])
+                self.protocol.save_barrier()
                 self.guard.enter_mutation()
                 self.save(step)
                 last_saved = step
+            self.protocol.end_step()
         if watchdog is not None:
             watchdog.close()
         if health is not None:
@@ -147,17 +143,13 @@ class StepLoop:
         if self.world.is_leader and code == NONE and past_deadline(time.time(), self.slurm.end_time,
                                                                    self.step_seconds, self.ckpt.last_stall_s):
             code = DEADLINE
-        agreed = np.array([code], dtype=np.int64)
-        with ACTIVITY.waiting("agree stop"):
-            self.world.comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
-        return int(agreed[0])
+        return self.protocol.agree_stop(code)
 
     def agree_split(self) -> None:
         """Every rank takes the leader's split of the step after this one; set this step's routes."""
         if self.split is None:
             return
-        with ACTIVITY.waiting("agree split"):
-            pending = self.world.comm.bcast(self.split.pending, root=LEADER_RANK)
+        pending = self.protocol.agree_split(self.split.pending)
         self.controller.set_routes(Routes(self.world.plan, self.split.agreed(pending)))
 
     def set_resume_routes(self) -> None:
@@ -236,8 +228,8 @@ class StepLoop:
                 highlight=False)
 
     def finish(self, wall: float) -> None:
-        from yatt_hpc.control.summary import print_summary, run_summary
         from yatt_hpc.metrics.report import read_metrics
+        from yatt_hpc.runtime.summary import print_summary, run_summary
 
         history = read_metrics(self.run_dir) if self.run_dir is not None else self.history
         summary = run_summary(history, wall)

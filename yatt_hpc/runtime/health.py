@@ -35,62 +35,20 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from yatt_hpc.activity import ACTIVITY, Activity
+from yatt_hpc.sched.stall import RankView, Stall, find_stall
 
 log = logging.getLogger(__name__)
 TAG_BEAT = 11
 EXIT_STALLED = 3
 _LABEL_WORDS = 8  # int64 words of label text in a beat
 _BEAT_WORDS = 4 + _LABEL_WORDS
-
-
-@dataclass
-class RankView:
-    """What the leader knows of one rank, on the leader's clock."""
-
-    last_heard: float
-    last_progress: float
-    count: int = -1
-    waiting: bool = False
-    done: bool = False
-    label: str = "start"
-
-
-@dataclass(frozen=True)
-class Stall:
-    rank: int
-    kind: str  # "silent" | "stuck" | "deadlock"
-    seconds: float
-    cause: str
-
-
-def find_stall(now: float, views: Mapping[int, RankView], timeout_s: float) -> Stall | None:
-    """The leader's rule (pure): a silent rank first, then a world that made no progress."""
-    silent = {r: now - v.last_heard for r, v in views.items() if now - v.last_heard > timeout_s}
-    if silent:
-        rank = max(silent, key=lambda r: (silent[r], -r))
-        return Stall(rank, "silent", silent[rank],
-                     f"no heartbeat for {silent[rank]:.0f}s (last seen in '{views[rank].label}'): the process is "
-                     "stopped (SIGSTOP), frozen, or inside a call that holds the Python interpreter lock")
-    idle = {r: now - v.last_progress for r, v in views.items()}
-    if not views or min(idle.values()) <= timeout_s:
-        return None
-    busy = [r for r, v in views.items() if not (v.waiting or v.done)]
-    if busy:
-        rank = max(busy, key=lambda r: (idle[r], -r))
-        return Stall(rank, "stuck", idle[rank],
-                     f"no progress for {idle[rank]:.0f}s in '{views[rank].label}' while every other rank waits "
-                     "(a hung engine, library or I/O call)")
-    rank = max(views, key=lambda r: (idle[r], -r))
-    waits = ", ".join(f"{r}: '{v.label}'" for r, v in sorted(views.items()))
-    return Stall(rank, "deadlock", idle[rank],
-                 f"every rank has waited on the others for {min(idle.values()):.0f}s: a deadlock (ranks wait in {waits})")
 
 
 def encode_beat(seq: int, activity: Activity) -> np.ndarray:
@@ -143,7 +101,7 @@ class HealthMonitor:
 
     def close(self) -> None:
         """Collective: keep beating until every rank is here, then stop the thread."""
-        from yatt_hpc.control.wire import wait_all
+        from yatt_hpc.comm.transport import wait_all
 
         self.activity.done = True
         wait_all([self.comm.Ibarrier()], 0.01)

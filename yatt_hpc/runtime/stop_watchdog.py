@@ -245,6 +245,6 @@ class StopWatchdog:
         self.exit(0)
 
     def _wait(self, requests: list) -> None:
-        from yatt_hpc.control.wire import wait_all
+        from yatt_hpc.comm.transport import wait_all
 
         wait_all(requests, self.poll_s / 10)

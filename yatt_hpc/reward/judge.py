@@ -1,95 +1,25 @@
-"""The generative reward model (GenRM): a causal LM that writes a verdict on (question, response).
+"""The generative reward model (GenRM) engine: a causal LM that writes a verdict on (question, response).
 
-    from yatt_hpc.reward.genrm import GenRMJudge, combine_reward
+    from yatt_hpc.reward.judge import GenRMJudge
     judge = GenRMJudge.from_pretrained("models/demo/judge")            # greedy, 4 verdict tokens
     texts = judge.generate_verdicts([("reverse abcdab=", "badcba")])   # -> ["yes"]
     scores = judge.score([("reverse abcdab=", "badcba")])              # -> [1.0]  (None = unparseable)
-    combine_reward(scores[0], 1.0, "rm_with_rule", alpha=0.5, beta=0.5, parse_fail_score=0.0)
 
-The judge reads `build_judge_prompt(question, response)` and generates text; `parse_verdict` turns
-the text into a score in [0, 1], or None when it is not a verdict, so that parse failures can be
-counted and priced (`parse_fail_score`) instead of silently becoming 0. The engine runs on CPU or on
-whatever device the model is on; the GPU path of the library swaps it for an SGLang engine that
-uses the same template and parser.
+The judge reads `template.build_judge_prompt(question, response)` and generates text;
+`verdict.parse_verdict` turns the text into a score; `mixing.combine_reward` makes the reward. The
+engine runs on CPU or on whatever device the model is on.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from yatt_hpc.data.tokenizer import CharTokenizer
+from yatt_hpc.demo.char_tokenizer import CharTokenizer
 from yatt_hpc.offload import HostParking
-
-# The judge reads the transcript exactly as the policy wrote it (prompt then response), so a judge
-# can start from the policy's own weights; the question then asks for the verdict.
-JUDGE_TEMPLATE = "{question}{response}\nCorrect? "
-VERDICT_YES = "yes"
-VERDICT_NO = "no"
-REWARD_MODES = ("rm_only", "rule_only", "rm_with_rule")
-
-_YES_WORDS = {"yes", "correct", "right", "true"}
-_NO_WORDS = {"no", "wrong", "incorrect", "false"}
-_FIRST_WORD = re.compile(r"\s*([a-z]+|\d+(?:\.\d+)?)")
-
-
-def build_judge_prompt(question: str, response: str) -> str:
-    """The text the judge continues with its verdict."""
-    # Newlines become spaces so that a response cannot forge the template's own verdict line.
-    return JUDGE_TEMPLATE.format(question=question, response=response.strip().replace("\n", " "))
-
-
-def verdict_text(is_correct: bool) -> str:
-    """What the judge is trained to answer (kept within the default 4 verdict tokens)."""
-    return VERDICT_YES if is_correct else VERDICT_NO
-
-
-def parse_verdict(text: str) -> float | None:
-    """Score of a verdict from its first word: yes/correct -> 1.0, no/wrong -> 0.0, a number in
-    [0, 1] -> that number; anything else (empty text, other words, numbers out of range) -> None."""
-    match = _FIRST_WORD.match(text.lower())
-    if match is None:
-        return None
-    word = match.group(1)
-    if word in _YES_WORDS:
-        return 1.0
-    if word in _NO_WORDS:
-        return 0.0
-    if word[0].isdigit():
-        value = float(word)
-        return value if 0.0 <= value <= 1.0 else None
-    return None
-
-
-def judge_agrees(genrm_score: float | None, rule_score: float) -> bool:
-    """Whether a verdict matches the rule verifier: score >= 0.5 exactly when the rule says correct.
-    An unparseable verdict never agrees."""
-    return genrm_score is not None and (genrm_score >= 0.5) == (rule_score >= 0.5)
-
-
-def combine_reward(genrm_score: float | None, rule_score: float | None, mode: str,
-                   alpha: float, beta: float, parse_fail_score: float) -> float:
-    """The reward of one response, clipped to [0, 1].
-
-    `rm_only` -> genrm; `rule_only` -> rule; `rm_with_rule` -> alpha*genrm + beta*rule. The weights
-    only mix the two signals, so single-signal modes are unweighted. An unparseable verdict
-    (`genrm_score is None`) counts as `parse_fail_score`.
-    """
-    if mode not in REWARD_MODES:
-        raise ValueError(f"unknown reward mode {mode!r}; valid modes: {', '.join(REWARD_MODES)}")
-    genrm = parse_fail_score if genrm_score is None else genrm_score
-    if mode != "rm_only" and rule_score is None:
-        raise ValueError(f"reward mode {mode!r} needs a rule score, but the row has no reference answer; "
-                         f"use reward.mode=rm_only for prompts without answers")
-    if mode == "rm_only":
-        value = genrm
-    elif mode == "rule_only":
-        value = rule_score
-    else:
-        value = alpha * genrm + beta * rule_score
-    return min(1.0, max(0.0, float(value)))
+from yatt_hpc.reward.template import build_judge_prompt
+from yatt_hpc.reward.verdict import parse_verdict
 
 
 class GenRMJudge:

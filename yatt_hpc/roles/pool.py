@@ -1,8 +1,8 @@
 """A rank of the engine pool of a dynamic split: rollout or GenRM, whichever the step's routes say.
 
-    ctl = PoolController(world, cfg, stats)    # worker.py builds it for rollout/genrm ranks
+    ctl = PoolController(world, cfg, stats, protocol)    # worker.py builds it for rollout/genrm ranks
     ctl.set_routes(Routes(plan, RoleSplit(rollout=1, next_rollout=2)))      # the loop, every step
-    ctl.step(step)     # the role's step (see rollout_ctl / genrm_ctl), then next step's weights
+    ctl.step(step)     # the role's step (see roles/rollout.py and roles/genrm.py), then next step's weights
 
 It composes the two role controllers unchanged: both are built (a policy engine and a judge); the
 policy engine stays released while the rank scores, and the judge while it generates. The rank receives the step's fresh weights
@@ -15,19 +15,21 @@ from __future__ import annotations
 import logging
 
 from yatt_hpc.config.schema import RunConfig
-from yatt_hpc.control.controller import BaseController
-from yatt_hpc.control.genrm_ctl import GenRMController
-from yatt_hpc.control.rank_stats import RankStats
-from yatt_hpc.control.rollout_ctl import RolloutController
+from yatt_hpc.roles.base import BaseController
+from yatt_hpc.roles.colocation import hand_over
+from yatt_hpc.roles.genrm import GenRMController
+from yatt_hpc.roles.protocol import StepProtocol
+from yatt_hpc.roles.rollout import RolloutController
+from yatt_hpc.runtime.rank_stats import RankStats
 
 log = logging.getLogger(__name__)
 
 
 class PoolController(BaseController):
-    def __init__(self, world, cfg: RunConfig, stats: RankStats):
+    def __init__(self, world, cfg: RunConfig, stats: RankStats, protocol: StepProtocol):
         self.world, self.stats = world, stats
-        self.rollout = RolloutController(world, cfg, stats)
-        self.genrm = GenRMController(world, cfg, stats)
+        self.rollout = RolloutController(world, cfg, stats, protocol)
+        self.genrm = GenRMController(world, cfg, stats, protocol)
         self.home = self.rollout if world.group == "rollout" else self.genrm  # identity: the plan's group
         self.routes = self.rollout.routes
         # the step whose generation the engine's weights are for: the initial model is the trainer's
@@ -57,12 +59,7 @@ class PoolController(BaseController):
         self.role = self.stats.group = role
         judge = self.genrm.judge  # None with reward.mode=rule_only
         idle, active = (judge, self.rollout.engine) if role == "rollout" else (self.rollout.engine, judge)
-        with self.stats.phase("release"):  # the role it leaves gives its device memory back first
-            if idle is not None:
-                idle.release_memory()
-        with self.stats.phase("resume"):
-            if active is not None:
-                active.resume_memory()
+        hand_over(self.stats, idle, active)
 
     def maybe_receive_weights(self, for_step: int) -> None:
         if self.world.rank in self.routes.next_rollout_ranks():

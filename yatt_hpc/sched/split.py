@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from yatt_hpc.control.routing import RoleSplit
+from yatt_hpc.sched.routing import RoleSplit
 
 
 @dataclass(frozen=True)

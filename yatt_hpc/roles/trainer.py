@@ -1,6 +1,6 @@
 """The trainer group's controller: one per trainer rank, each the owner of its data shard.
 
-    ctl = TrainerController(world, cfg, run_dir, stats)
+    ctl = TrainerController(world, cfg, run_dir, stats, protocol)
     ctl.step(step)         # the GRPO step, as seen from one trainer rank
 
 Data flow of one step (no driver; every arrow is point-to-point MPI between the ranks involved):
@@ -35,40 +35,32 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from yatt_hpc.batch import SampleBatch
 from yatt_hpc.ckpt import RankState, capture_rng, load_optimizer_tensors, optimizer_tensors, restore_rng
+from yatt_hpc.comm.prompt_routing import build_router
+from yatt_hpc.comm.rebalance import Rebalancer
+from yatt_hpc.comm.transport import TAG_COUNT, TAG_PROMPTS, TAG_SCORED, bcast_batch, recv_batch, send_batch, wait_all
+from yatt_hpc.comm.weight_sync import send_weights
 from yatt_hpc.config.schema import RunConfig
-from yatt_hpc.control.balance import flops_coeff
-from yatt_hpc.control.consumed import ConsumedLog
-from yatt_hpc.control.controller import BaseController
-from yatt_hpc.control.dynamic_sampling import DynamicSampler, has_signal
-from yatt_hpc.control.inputs import InputError
-from yatt_hpc.control.overdispatch import PromptQueue, dispatch_count
-from yatt_hpc.control.phases import PhaseGate
-from yatt_hpc.control.prompt_routing import build_router
-from yatt_hpc.control.rank_stats import RankStats
-from yatt_hpc.control.rebalance import Rebalancer
-from yatt_hpc.control.routing import Routes
-from yatt_hpc.control.weight_sync import send_weights
-from yatt_hpc.control.wire import (
-    TAG_COUNT,
-    TAG_PROMPTS,
-    TAG_SCORED,
-    SampleBatch,
-    agree_more,
-    bcast_batch,
-    recv_batch,
-    send_batch,
-    wait_all,
-)
+from yatt_hpc.data.consumed import ConsumedLog
 from yatt_hpc.data.prompts import build_prompt_source
 from yatt_hpc.data.tokenizer import load_tokenizer
+from yatt_hpc.errors import InputError
+from yatt_hpc.roles.base import BaseController
+from yatt_hpc.roles.colocation import holding_devices
+from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
+from yatt_hpc.runtime.rank_stats import RankStats
+from yatt_hpc.sched.balance import flops_coeff
+from yatt_hpc.sched.dynamic_sampling import DynamicSampler, has_signal
+from yatt_hpc.sched.overdispatch import PromptQueue, dispatch_count
+from yatt_hpc.sched.routing import Routes
 from yatt_hpc.train.grpo import group_advantages
 
 log = logging.getLogger(__name__)
 
 
 class TrainerController(BaseController):
-    def __init__(self, world, cfg: RunConfig, run_dir: Path, stats: RankStats):
+    def __init__(self, world, cfg: RunConfig, run_dir: Path, stats: RankStats, protocol: StepProtocol):
         from yatt_hpc.train import megatron_model
         from yatt_hpc.train.policy import MegatronPolicy
 
@@ -90,7 +82,7 @@ class TrainerController(BaseController):
         self.router = build_router(cfg.rollout.routing, self.owners_comm, self.dp_rank)
         self.expected_response = cfg.rollout.max_new_tokens / 2  # routing's load estimate, updated per wave
         self._count_send: tuple[list, np.ndarray | None] = ([], None)  # the TAG_COUNT in flight, its buffer
-        self.gate = PhaseGate(world.comm, enabled=world.plan.mode == "colocate")
+        self.protocol = protocol
         self.consumed = ConsumedLog(run_dir / "data" / f"consumed-dp{self.dp_rank}.jsonl", enabled=self.is_owner)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.source = build_prompt_source(cfg.data, self.tokenizer)
@@ -131,18 +123,13 @@ class TrainerController(BaseController):
         if not self.is_owner:
             self.stats.hold(len(batch))
         advantages = group_advantages(batch.reward, batch.prompt_id)     # GRPO advantages
-        if self.colocate:
-            with self.stats.phase("resume"):
-                self.policy.resume_memory()
-        with self.stats.phase("train"):
-            global_tokens = self.world.group_comm.allreduce(
-                int(batch.response_len.sum()) if self.is_owner else 0)
-            update = self.policy.update(batch, advantages, float(global_tokens))
-        with self.stats.phase("weight_sync"):
-            self.sync_weights()
-        if self.colocate:
-            with self.stats.phase("release"):
-                self.policy.release_memory()
+        with holding_devices(self.stats, self.policy, self.colocate):   # rollout and GenRM had them
+            with self.stats.phase("train"):
+                global_tokens = self.world.group_comm.allreduce(
+                    int(batch.response_len.sum()) if self.is_owner else 0)
+                update = self.policy.update(batch, advantages, float(global_tokens))
+            with self.stats.phase("weight_sync"):
+                self.sync_weights()
         self.report(batch, update)
         self.stats.hold(-len(batch))
 
@@ -150,29 +137,32 @@ class TrainerController(BaseController):
 
     def sample(self, step: int) -> SampleBatch:
         """Waves of prompts until this replica has its groups (one wave without dynamic sampling)."""
-        ask, scored = self.sampler.first_wave(), []
-        while True:
-            dispatched = self.dispatch_prompts(ask)
-            self.gate.cross("generated")
-            self.gate.cross("scored")
-            wave = self.collect_scored()
-            self.settle(step, dispatched, wave)
-            scored.append(wave)
-            groups = np.unique(wave.prompt_id)
-            valid = [g for g in groups if has_signal(wave.reward[wave.prompt_id == g])]
+        asks, scored = [self.sampler.first_wave()], []
+
+        def wave() -> bool:
+            dispatched = self.dispatch_prompts(asks[-1])
+            self.protocol.gate(GENERATED)
+            self.protocol.gate(SCORED)
+            got = self.collect_scored()
+            self.settle(step, dispatched, got)
+            scored.append(got)
+            groups = np.unique(got.prompt_id)
+            valid = [g for g in groups if has_signal(got.reward[got.prompt_id == g])]
             self.sampler.observe(len(groups), len(valid))
-            ask = self.sampler.next_wave() if self.dynamic else 0
-            if not agree_more(self.world.comm, ask > 0):
-                break
+            asks.append(self.sampler.next_wave() if self.dynamic else 0)
+            return asks[-1] > 0
+
+        self.protocol.waves(wave)
         return self.keep_groups(SampleBatch.concat(scored).sorted_by_id())
 
     def follow_waves(self) -> None:
-        """Tensor-parallel peers of an owner take part in the wave agreement, nothing else."""
-        while True:
-            self.gate.cross("generated")
-            self.gate.cross("scored")
-            if not agree_more(self.world.comm, False):
-                return None
+        """Tensor-parallel peers of an owner take part in the waves' gates and agreements, nothing else."""
+        def wave() -> bool:
+            self.protocol.gate(GENERATED)
+            self.protocol.gate(SCORED)
+            return False
+
+        self.protocol.waves(wave)
 
     def keep_groups(self, batch: SampleBatch) -> SampleBatch:
         """Without dynamic sampling: everything. With it: the first `target` groups with reward

@@ -1,4 +1,4 @@
-"""Checks of a run's inputs that need the filesystem, and the errors users (not bugs) cause.
+"""Checks of a run's inputs that need the filesystem (the error registry is `yatt_hpc/errors.py`).
 
     check_model_dirs(cfg)      # raises InputError naming the field, the path and the fix
 
@@ -9,20 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from yatt_hpc.ckpt.errors import DiskFullError
-from yatt_hpc.config import ConfigError
 from yatt_hpc.config.schema import RunConfig
-from yatt_hpc.control.world import LaunchMismatch
-from yatt_hpc.data.prompts import DatasetError
-from yatt_hpc.placement import PlanError
-
-
-class InputError(Exception):
-    """A missing or unusable input file; the message names the field, the path and the fix."""
-
-
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, LaunchMismatch, DatasetError, InputError,
-                                                DiskFullError)
+from yatt_hpc.errors import InputError
 
 
 def check_model_dir(path: str, field: str) -> None:

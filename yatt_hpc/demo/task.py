@@ -1,6 +1,6 @@
 """The built-in verifiable demo task: reverse a six-letter word over the alphabet "abcd".
 
-    from yatt_hpc.data.demo_task import demo_row, demo_rows
+    from yatt_hpc.demo.task import demo_row, demo_rows
     demo_row(seed=1234, index=0)                    # {"id": 0, "prompt": "reverse bbbccd=", "answer": "dccbbb"}
     demo_rows(seed=1234, count=4, split="heldout")  # rows whose words never occur in the train split
 

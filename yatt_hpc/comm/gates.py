@@ -12,7 +12,7 @@ Other modes overlap phases on purpose, and the gate does nothing.
 """
 from __future__ import annotations
 
-from yatt_hpc.control.wire import wait_all
+from yatt_hpc.comm.transport import wait_all
 
 
 class PhaseGate:

@@ -1,61 +1,63 @@
 """The rollout group's controller: one per engine replica.
 
-    ctl = RolloutController(world, cfg, stats)
+    ctl = RolloutController(world, cfg, stats, protocol)
     ctl.step(step)     # receive prompts -> generate -> stream to GenRM -> take fresh weights
 
 It serves the trainer replicas the routes assign to it, knows how many prompt messages to expect,
-and never sees a sample it is not generating. See `trainer_ctl` for the whole data flow.
+and never sees a sample it is not generating. See `roles/trainer.py` for the whole data flow.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+from collections.abc import Callable
+from contextlib import contextmanager
 
 import numpy as np
 from mpi4py import MPI
 
-from yatt_hpc.config.schema import RunConfig
-from yatt_hpc.control.controller import BaseController
-from yatt_hpc.control.overdispatch import RolloutWork
-from yatt_hpc.control.phases import PhaseGate
-from yatt_hpc.control.prompt_routing import expected_prompt_messages
-from yatt_hpc.control.rank_stats import RankStats
-from yatt_hpc.control.routing import Routes
-from yatt_hpc.control.weight_sync import recv_weights
-from yatt_hpc.control.wire import (
+from yatt_hpc.batch import SampleBatch
+from yatt_hpc.comm.prompt_routing import expected_prompt_messages
+from yatt_hpc.comm.transport import (
     TAG_END,
     TAG_PROMPTS,
     TAG_SAMPLES,
     TAG_STOP,
     TAG_WEIGHTS,
-    SampleBatch,
     StreamSender,
-    agree_more,
     recv_batch,
     recv_ints,
     send_ints,
     wait_for_message,
 )
+from yatt_hpc.comm.weight_sync import recv_weights
+from yatt_hpc.config.schema import RunConfig
+from yatt_hpc.roles.base import BaseController
+from yatt_hpc.roles.colocation import holding_devices
+from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.rollout import GenerationRequest, GenerationResult, build_engine
+from yatt_hpc.runtime.rank_stats import RankStats
+from yatt_hpc.sched.overdispatch import RolloutWork
+from yatt_hpc.sched.routing import Routes
 
 log = logging.getLogger(__name__)
 FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
 
 
 class RolloutController(BaseController):
-    def __init__(self, world, cfg: RunConfig, stats: RankStats):
-        self.world, self.cfg, self.stats = world, cfg, stats
+    def __init__(self, world, cfg: RunConfig, stats: RankStats, protocol: StepProtocol):
+        self.world, self.cfg, self.stats, self.protocol = world, cfg, stats, protocol
         self.routes = Routes(world.plan)
         self.colocate = world.plan.mode == "colocate"
         self.handshake = cfg.rollout.over_dispatch_ratio > 1.0  # STOP/END with GenRM (over-dispatch)
         self.streaming = cfg.rollout.streaming == "finished_groups" and not self.colocate
-        self.gate = PhaseGate(world.comm, enabled=self.colocate)
         device = "cuda" if world.plan.group("rollout").devices_per_task else "cpu"
         self.engine = build_engine(cfg.rollout.engine, cfg.model.path, device=device,
                                    tp_size=world.plan.group("rollout").size("tp"), seed=cfg.train.seed)
         if self.colocate:
             self.engine.release_memory()  # the trainer builds first; the engine wakes for its phase
+        self.stops = StopWatch(world.comm, self.engine)  # over-dispatch STOPs, whichever way it generates
         log.info("rollout rank ready (%s routing)", cfg.rollout.routing)
 
     @property
@@ -68,10 +70,12 @@ class RolloutController(BaseController):
         self.receive_weights()
 
     def generate_waves(self) -> None:
-        while True:  # one wave without dynamic sampling; the trainers decide whether another follows
+        """One wave without dynamic sampling; the trainers decide whether another follows."""
+        def wave() -> bool:
             self.stats.add("generated", self.wave())
-            if not agree_more(self.world.comm, False):
-                break
+            return False
+
+        self.protocol.waves(wave)
 
     def wave(self) -> int:
         """Receive this wave's prompt messages, generate whole groups in chunks, stream them to GenRM."""
@@ -81,9 +85,6 @@ class RolloutController(BaseController):
             self.stats.hold(len(batch))
             incoming.append(batch)
         prompts = SampleBatch.concat(incoming).sorted_by_id()
-        if self.colocate:
-            with self.stats.phase("resume"):
-                self.engine.resume_memory()
         # colocate: the whole batch, then GenRM takes the devices; otherwise stream chunks of whole
         # groups so that scoring overlaps generation (bounded by stream_queue chunks in flight), or,
         # with rollout.streaming=finished_groups, the whole wave in one engine call and each group
@@ -95,25 +96,23 @@ class RolloutController(BaseController):
                            max(len(prompts), 1) if whole else max(1, self.cfg.rollout.stream_chunk // n))
         sender = StreamSender(self.world.comm, max(len(work.assigned), 1) if self.colocate else self.cfg.rollout.stream_queue)
         generated = released = 0
-        while (index := self.next_chunk(work)) is not None:
-            if self.streaming:
-                with self.stats.phase("rollout"):
-                    generated += self.generate_streaming(prompts.select(index), work, sender)
-            else:
-                with self.stats.phase("rollout"):
-                    done = self.generate_watching(prompts.select(index), work)
-                generated += self.send_parts(done, work, sender)
-            self.stats.hold(-len(index))
-            released += len(index)
+        with holding_devices(self.stats, self.engine, self.colocate):  # the trainer had the devices
+            while (index := self.next_chunk(work)) is not None:
+                if self.streaming:
+                    with self.stats.phase("rollout"):
+                        generated += self.generate_streaming(prompts.select(index), work, sender)
+                else:
+                    with self.stats.phase("rollout"):
+                        done = self.generate_watching(prompts.select(index), work)
+                    generated += self.send_parts(done, work, sender)
+                self.stats.hold(-len(index))
+                released += len(index)
         self.stats.hold(released - len(prompts))  # groups dropped before they were generated
-        if self.colocate:
-            with self.stats.phase("release"):
-                self.engine.release_memory()
-        self.gate.cross("generated")
+        self.protocol.gate(GENERATED)
         sender.drain()
         while self.handshake and work.awaiting_stop():  # every replica we worked for says STOP once
             self.stop_owner(work, int(recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_STOP)[0][0]))
-        self.gate.cross("scored")
+        self.protocol.gate(SCORED)
         return generated
 
     def send_parts(self, done: SampleBatch, work: RolloutWork, sender: StreamSender) -> int:
@@ -163,9 +162,8 @@ class RolloutController(BaseController):
                         group.append(result)
                         if len(group) == n:
                             send_group(group)
-                    self.take_stops(work)
-                    if self.handshake and owners <= work.stopped:
-                        self.engine.abort()
+                    if self.handshake:
+                        self.stops.poll(lambda owner: self.stop_owner(work, owner), owners, work.stopped)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the loop thread below
                 failure.append(exc)
                 self.engine.abort()
@@ -188,13 +186,9 @@ class RolloutController(BaseController):
 
     def next_chunk(self, work: RolloutWork) -> np.ndarray | None:
         """Take any STOP that arrived (no waiting), then the next chunk of groups still wanted."""
-        self.take_stops(work)
+        if self.handshake:
+            self.stops.poll(lambda owner: self.stop_owner(work, owner))
         return work.next_chunk()
-
-    def take_stops(self, work: RolloutWork) -> None:
-        """Every STOP that has arrived (no waiting; none without over-dispatch), each answered END."""
-        while self.handshake and self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STOP):
-            self.stop_owner(work, int(recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_STOP)[0][0]))
 
     def stop_owner(self, work: RolloutWork, owner: int) -> None:
         """STOP for a replica: drop what is left of its work and tell its GenRM rank what was sent."""
@@ -208,11 +202,8 @@ class RolloutController(BaseController):
         if not self.handshake or self.colocate:  # colocate: GenRM only starts after the whole wave
             return self.generate(chunk)
         owners = {int(o) for o in np.unique(chunk.owner)}
-        done, stops = generate_until_stopped(self.world.comm, self.engine, lambda: self.generate(chunk), owners,
-                                             work.stopped)
-        for owner in stops:
-            self.stop_owner(work, owner)
-        return done
+        with self.stops.beside(lambda owner: self.stop_owner(work, owner), owners, work.stopped):
+            return self.generate(chunk)
 
     def requests(self, prompts: SampleBatch) -> list[GenerationRequest]:
         rc = self.cfg.rollout
@@ -255,26 +246,38 @@ class RolloutController(BaseController):
         self.receive_weights()  # the trainer sends its restored weights
 
 
-def generate_until_stopped(comm, engine, generate, owners: set[int], stopped: set[int], poll_s: float = 0.002):
-    """Run `generate()` while a watcher thread takes TAG_STOP messages; once every owner of the chunk
-    is stopped it aborts the engine (repeatedly: an abort acts only once generation runs). Returns
-    (generate's result, owners stopped meanwhile). The main thread makes no MPI call while the engine
-    runs and the watcher none after it, so one thread at a time talks MPI."""
-    stops, finished = [], threading.Event()
+class StopWatch:
+    """The one place a rollout rank takes over-dispatch STOPs (TAG_STOP, from a GenRM rank whose
+    replica has its groups): `poll` takes every STOP that has arrived (no waiting) and hands each
+    owner to `on_stop`; once every owner of the running engine call is stopped it aborts the engine
+    (repeatedly: an abort acts only once generation runs). `beside` polls from a helper thread while
+    the loop thread is inside an engine call: one thread at a time talks MPI (the loop thread makes
+    no MPI call while the engine runs, the helper none after it)."""
 
-    def watch() -> None:
-        while not finished.is_set():
-            while comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STOP):
-                stops.append(int(recv_ints(comm, MPI.ANY_SOURCE, TAG_STOP)[0][0]))
-            if owners <= stopped | set(stops):
-                engine.abort()
-            finished.wait(poll_s)
+    def __init__(self, comm, engine, poll_s: float = 0.002):
+        self.comm, self.engine, self.poll_s = comm, engine, poll_s
 
-    watcher = threading.Thread(target=watch, name="stop-watcher", daemon=True)
-    watcher.start()
-    try:
-        done = generate()
-    finally:
-        finished.set()
-        watcher.join()
-    return done, stops
+    def poll(self, on_stop: Callable[[int], None], owners: set[int] = frozenset(),
+             stopped: set[int] = frozenset()) -> None:
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_STOP):
+            on_stop(int(recv_ints(self.comm, MPI.ANY_SOURCE, TAG_STOP)[0][0]))
+        if owners and owners <= stopped:
+            self.engine.abort()
+
+    @contextmanager
+    def beside(self, on_stop: Callable[[int], None], owners: set[int], stopped: set[int]):
+        """Poll from a helper thread for as long as the block runs (`stopped` must grow with `on_stop`)."""
+        finished = threading.Event()
+
+        def watch() -> None:
+            while not finished.is_set():
+                self.poll(on_stop, owners, stopped)
+                finished.wait(self.poll_s)
+
+        watcher = threading.Thread(target=watch, name="stop-watch", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            finished.set()
+            watcher.join()

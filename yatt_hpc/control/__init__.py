@@ -1,1 +1,0 @@
-"""Parallel controllers: one MPI world, group communicators, the GRPO step loop."""

@@ -1,0 +1,42 @@
+"""Device memory in turns: a role's engine or model holds the devices only for its own phase.
+
+    with holding_devices(stats, engine, enabled=colocate):   # resume_memory(), then release_memory()
+        ...generate...
+    hand_over(stats, idle=judge, active=engine)              # a pool rank switching roles
+
+In full colocation rollout, GenRM and training take the same devices in turn; in a dynamic split
+a pool rank parks the engine of the role it does not serve. Each resume and release is timed as
+the `resume` / `release` phase of the rank's stats. `thing` is anything with `resume_memory()` and
+`release_memory()` (an engine, the judge, the trainer's policy); None (no judge) is skipped.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+
+def resume(stats, thing) -> None:
+    if thing is not None:
+        with stats.phase("resume"):
+            thing.resume_memory()
+
+
+def release(stats, thing) -> None:
+    if thing is not None:
+        with stats.phase("release"):
+            thing.release_memory()
+
+
+@contextmanager
+def holding_devices(stats, thing, enabled: bool):
+    """Resume `thing` on entry and release it on a normal exit, when `enabled` (colocation)."""
+    if enabled:
+        resume(stats, thing)
+    yield
+    if enabled:
+        release(stats, thing)
+
+
+def hand_over(stats, idle, active) -> None:
+    """The role being left gives its device memory back first, then the new one takes it."""
+    release(stats, idle)
+    resume(stats, active)
