@@ -16,13 +16,14 @@ import pytest
 
 from tests.conftest import PYTHON, REPO
 from tests.mpi.test_faults import assert_every_prompt_once
+from tests.slurm.jobs import job_rank_pid
 from yatt_hpc.launch.jobs import top_states, wait_job
 
 DEMO = str(REPO / "configs/demo_cpu.yaml")
 STEPS = 3
 ARGS = [f"train.steps={STEPS}", "train.prompts_per_step=8", "rollout.samples_per_prompt=4", "checkpoint.interval=1",
         "logging.progress=false", "logging.tensorboard=false", "slurm.env.OMPI_MCA_btl=self,tcp", "slurm.time=00:20:00",
-        "health.heartbeat_s=0.5", "health.stall_timeout_s=5"]
+        "health.heartbeat_s=1", "health.stall_timeout_s=15"]
 RANK_OF = {"trainer": 1, "rollout": 2, "genrm": 3}
 
 
@@ -32,21 +33,6 @@ def submit(run_dir, mode) -> str:
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout.split("submitted job ", 1)[1].split(":")[0]
-
-
-def job_rank_pid(run_dir, rank: int, job: str, deadline: float) -> int:
-    """The pid world rank `rank` logged at start, checked to be a process of job `job`."""
-    while True:
-        logs = list((run_dir / "logs").glob(f"rank-{rank:04d}-*.log"))
-        text = logs[0].read_text() if logs else ""
-        if "started: pid " in text:
-            pid = int(text.rsplit("started: pid ", 1)[1].split()[0])
-            environ = dict(kv.split("=", 1) for kv in open(f"/proc/{pid}/environ").read().split("\0") if "=" in kv)
-            jobs = {environ.get("SLURM_JOB_ID"), environ.get("SLURM_HET_JOB_ID")}
-            assert job in jobs, f"pid {pid} belongs to job {jobs}, not to this test's job {job}"
-            return pid
-        assert time.monotonic() < deadline, f"rank {rank} never logged its pid"
-        time.sleep(0.1)  # polling for the event (the log line), bounded
 
 
 def hit(run_dir, mode, rank: int, sig: int) -> tuple[dict, str]:

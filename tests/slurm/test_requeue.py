@@ -11,6 +11,8 @@
     from there (bitwise equality with long steps is tests/mpi/test_stop_grace.py's).
 """
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import REPO, mpi_env, wait_for_log_line
+from tests.slurm.jobs import job_rank_pid
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import wait_job
 from yatt_hpc.launch.submitit_exec import submit_run
@@ -114,8 +117,11 @@ def test_sigkilled_job_resumes_from_periodic_checkpoint_after_resubmission(slurm
     run_dir = tmp_path / "run"
     sub = submit(run_dir)
     wait_steps(run_dir, 12)
-    # SIGKILL to every process of the job (batch shell, srun, every rank): nobody gets a chance to save
-    subprocess.run(["scancel", "--signal=KILL", "--full", sub.job_id], check=True, timeout=30)
+    # SIGKILL to every rank at once, each found by the pid it logged and checked to be this job's
+    # (`scancel --signal=KILL` would be a graceful cancel: SIGTERM first, and the ranks would save)
+    pids = [job_rank_pid(run_dir, rank, sub.job_id, time.monotonic() + 60) for rank in range(4)]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
     wait_job(sub.job_id, poll_s=1, timeout_s=200)
     done = finished_steps(run_dir)
     assert done < STEPS, "the kill came too late"

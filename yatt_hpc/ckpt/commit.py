@@ -30,6 +30,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.errors import (
     DISK_FULL,
@@ -71,6 +72,7 @@ def write_rank_files(inc: Path, snap: RankState) -> list[FileEntry]:
         save_file(tensors, str(path), metadata={layout.METADATA_KEY: body})
         fsync_file(path)
         entries.append(digest_file(path))
+        ACTIVITY.progress("checkpoint file")  # a long save keeps the health monitor informed
     fsync_dir(inc)
     return entries
 

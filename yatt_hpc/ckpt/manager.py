@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Self
 
+from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.commit import clean_incomplete, commit, write_rank_files
 from yatt_hpc.ckpt.errors import CheckpointError, describe_write_error
@@ -151,7 +152,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Collective while a save is in flight. Block until it is committed; re-raise its failure."""
-        self._writer.wait()
+        with ACTIVITY.waiting("checkpoint writer"):  # the writer thread ticks per file (health monitor)
+            self._writer.wait()
         if self._deferred is not None:
             step, snap, shared, entries, error = self._deferred
             self._deferred = None

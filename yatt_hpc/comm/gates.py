@@ -1,8 +1,11 @@
 """Phase gates of full colocation: rollout, then GenRM, then training, never two at once.
 
     gate = PhaseGate(world.comm, enabled=plan.mode == "colocate")
-    gate.cross("generated")    # every rank of the world, in the same order, once per step
+    gate.cross("generated")    # every rank of the world, in the same order, once per wave
     gate.cross("scored")
+
+The roles do not call it directly: `roles/protocol.StepProtocol.gate` checks the wave's order and
+crosses it.
 
 In colocation the three groups share the same devices, so each heavy phase must finish on every
 rank before the next one starts: a world barrier between them. Sends that cross a gate are

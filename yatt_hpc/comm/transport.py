@@ -3,15 +3,17 @@
     send_batch(comm, dest, TAG_SAMPLES, batch)
     batch = recv_batch(comm, source, TAG_SAMPLES)        # source may be MPI.ANY_SOURCE
 
-A `SampleBatch` is columnar: fixed-schema numpy arrays, ragged token columns stored flat with a
-per-sample length column. On the wire a batch is ONE message of raw bytes: an int64 header (sample
+A `SampleBatch` (`yatt_hpc/batch.py`) is columnar: fixed-schema numpy arrays, ragged token columns
+stored flat with a per-sample length column. On the wire a batch is ONE message of raw bytes: an int64 header (sample
 count + element count of every column) followed by the columns (`pack`); the receiver probes for
 its size, receives it into one buffer and takes zero-copy column views (`unpack`). One message
 per batch saves a handshake per column (bench/wire_throughput.py); a blocking send builds no buffer:
 an MPI datatype over the columns' addresses (`gather_type`) lets MPI read them in place.
 
 Receiving polls with `Iprobe` and a short sleep instead of blocking: with more controller ranks
-than cores, a blocked Open MPI receive spins and steals the CPU the working rank needs.
+than cores, a blocked Open MPI receive spins and steals the CPU the working rank needs. While a rank
+waits here it is marked as waiting on peers (`activity.ACTIVITY`), which the health monitor reads.
+The world-wide agreements of a step are not here: `roles/protocol.py` owns them.
 """
 from __future__ import annotations
 
