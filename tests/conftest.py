@@ -175,16 +175,15 @@ def leftover_pids(baseline: frozenset[int] | set[int] = frozenset()) -> list[int
 
 def kill_leftovers(baseline: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """SIGKILL whatever `leftover_pids(baseline)` finds; returns their pids."""
-    pids = leftover_pids(baseline)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return pids
+    return _sigkill(leftover_pids(baseline))
 
 
 def kill_tree(root: int) -> list[int]:
     """SIGKILL `root` and its descendants (see tree_pids), children first found, then all; returns their pids."""
-    pids = tree_pids(root)
+    return _sigkill(tree_pids(root))
+
+
+def _sigkill(pids: list[int]) -> list[int]:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -66,10 +66,10 @@ def decode_label(beat: np.ndarray) -> str:
 class HealthMonitor:
     """The heartbeat thread of one rank. `on_stall(stall)` ends the job (tests pass their own)."""
 
-    def __init__(self, comm, group_of: Callable[[int], str], heartbeat_s: float, stall_timeout_s: float,
+    def __init__(self, comm, heartbeat_s: float, stall_timeout_s: float,
                  on_stall: Callable[[Stall], None], *, activity: Activity = ACTIVITY, leader: int = 0,
                  clock: Callable[[], float] = time.monotonic):
-        self.comm, self.group_of, self.heartbeat_s, self.timeout_s = comm, group_of, heartbeat_s, stall_timeout_s
+        self.comm, self.heartbeat_s, self.timeout_s = comm, heartbeat_s, stall_timeout_s
         self.on_stall, self.activity, self.leader, self.clock = on_stall, activity, leader, clock
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         now = clock()
@@ -97,7 +97,7 @@ class HealthMonitor:
                             "not detected", MPI.Query_thread())
             return None
         on_stall = kw.pop("on_stall", None) or _abort_world(world, run_dir, job_tag)
-        return cls(world.comm.Dup(), world.plan.group_of, heartbeat_s, stall_timeout_s, on_stall, **kw)
+        return cls(world.comm.Dup(), heartbeat_s, stall_timeout_s, on_stall, **kw)
 
     def close(self) -> None:
         """Collective: keep beating until every rank is here, then stop the thread."""
@@ -172,9 +172,6 @@ class HealthMonitor:
         a = self.activity
         self._saw(self.rank, a.count, a.is_waiting, a.done, a.label)  # the leader's own loop thread
         return find_stall(now, self.views, self.timeout_s)
-
-    def describe(self, stall: Stall) -> str:
-        return f"{self.group_of(stall.rank)} rank {stall.rank}"
 
 
 def stall_record_name(job_tag: str) -> str:
