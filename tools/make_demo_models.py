@@ -39,6 +39,7 @@ from yatt_hpc.demo.char_tokenizer import CharTokenizer
 from yatt_hpc.demo.task import demo_row, near_miss
 from yatt_hpc.demo.tiny_models import char_gpt2, save_char_model
 from yatt_hpc.reward.judge import GenRMJudge
+from yatt_hpc.rollout.hf_engine import HFEngine
 from yatt_hpc.reward.mixing import combine_reward, judge_agrees
 from yatt_hpc.reward.template import build_judge_prompt, verdict_text
 from yatt_hpc.reward.verifier import rule_score
@@ -246,7 +247,9 @@ def main() -> None:
     policy_metrics = measure_policy(policy, tok, args.seed + 100, args.eval_prompts)
     print("policy:", policy_metrics, flush=True)
     pool = policy_pool(policy, tok, args.seed + 20, 1024, 4)
-    judge = GenRMJudge(build_judge(tok, policy, pool, args), tok)
+    judge_model = build_judge(tok, policy, pool, args)
+    judge = GenRMJudge(HFEngine(judge_model, stop_token_ids=[tok.eos_id]), tok,
+                       max_positions=judge_model.config.n_positions)
     evals = heldout_pairs(policy, tok, args.seed + 200, args.eval_prompts)
     judge_metrics = {name: judge_agreement(judge, triples) for name, triples in evals.items()}
     print("judge:", judge_metrics, flush=True)
@@ -256,7 +259,7 @@ def main() -> None:
               "parameters": sum(p.numel() for p in policy.parameters()),
               "build_seconds": round(time.perf_counter() - t0, 1), "args": {k: str(v) for k, v in vars(args).items()}}
     save(policy, tok, args.out / "policy", {**common, "policy": policy_metrics, "rl_signal": rl_metrics}, sampling=True)
-    save(judge.model, tok, args.out / "judge", {**common, "judge": judge_metrics}, sampling=False)
+    save(judge_model, tok, args.out / "judge", {**common, "judge": judge_metrics}, sampling=False)
     sizes = {d: sum(f.stat().st_size for f in (args.out / d).iterdir()) for d in ("policy", "judge")}
     print(f"wrote {args.out}/policy ({sizes['policy'] / 1e6:.2f} MB) and {args.out}/judge "
           f"({sizes['judge'] / 1e6:.2f} MB) in {time.perf_counter() - t0:.0f}s")

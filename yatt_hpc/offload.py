@@ -30,9 +30,15 @@ class HostParking:
         buf.copy_(tensor, non_blocking=True)
         return buf
 
-    def release(self, modules: Iterable[torch.nn.Module | None], optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Every CUDA parameter, buffer and optimizer-state tensor to its pinned host buffer."""
+    def release(self, modules: Iterable[torch.nn.Module | None], optimizer: torch.optim.Optimizer | None = None,
+                tensors: Iterable[torch.Tensor] = ()) -> None:
+        """Every CUDA parameter, buffer and optimizer-state tensor (and `tensors`, e.g. fp32 master
+        weights outside any module) to its pinned host buffer."""
         moved = False
+        for index, t in enumerate(tensors):
+            if t.is_cuda:
+                t.data = self._park((-2, f"t:{index}"), t.data)
+                moved = True
         for index, module in enumerate(modules):
             for kind, items in (("p", module.named_parameters() if module else ()),
                                 ("b", module.named_buffers() if module else ())):
@@ -51,12 +57,16 @@ class HostParking:
 
     @staticmethod
     def resume(modules: Iterable[torch.nn.Module | None], optimizer: torch.optim.Optimizer | None,
-               device: torch.device) -> None:
+               device: torch.device, tensors: Iterable[torch.Tensor] = ()) -> None:
         """Weights first, then optimizer state (the order that keeps the peak lowest)."""
+        loose = list(tensors)
         for module in modules:
             for t in (*module.parameters(), *module.buffers()) if module else ():
                 if t.device.type == "cpu" and t.is_pinned():
                     t.data = t.data.to(device, non_blocking=True)
+        for t in loose:
+            if t.device.type == "cpu" and t.is_pinned():
+                t.data = t.data.to(device, non_blocking=True)
         for state in optimizer.state.values() if optimizer else ():
             for key, value in state.items():
                 if torch.is_tensor(value) and value.device.type == "cpu" and value.is_pinned():

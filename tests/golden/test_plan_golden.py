@@ -18,7 +18,8 @@ HERE = Path(__file__).parent
 @pytest.mark.parametrize("config", [pytest.param(p, id=p.stem) for p in sorted((REPO / "configs").glob("*.yaml"))])
 def test_plan_output_matches_golden(config):
     console = Console(width=140, record=True, file=open("/dev/null", "w"), color_system=None)
-    print_plan(plan(load_config(config)), "RUN_DIR", console, python="python3")
+    cfg = load_config(config)
+    print_plan(plan(cfg), "RUN_DIR", console, python="python3", cfg=cfg)
     assert_golden(console.export_text(), HERE / "plans" / f"{config.stem}.txt")
 
 

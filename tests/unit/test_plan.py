@@ -27,16 +27,15 @@ def test_1024_gpu_disjoint_layout():
     p = plan(cfg("qwen2_7b_disjoint_1024gpu.yaml"))
     assert p.total_devices == 1024 and p.total_nodes == 128
     t, r, g = (p.group(n) for n in ("trainer", "rollout", "genrm"))
-    assert (t.tasks, t.devices, t.layout) == (512, 512, (("tp", 4), ("cp", 1), ("dp", 32), ("pp", 4)))
+    assert (t.tasks, t.devices, t.layout) == (512, 512, (("tp", 4), ("cp", 1), ("dp", 128), ("pp", 1)))
     assert (r.tasks, r.devices, r.layout) == (192, 384, (("tp", 2), ("pp", 1), ("dp", 192)))
     assert (g.tasks, g.devices, g.layout) == (32, 128, (("tp", 4), ("pp", 1), ("dp", 32)))
     assert (t.rank_start, r.rank_start, g.rank_start, p.world_size) == (0, 512, 704, 736)
     assert [x.slurm.component for x in p.groups] == [0, 1, 2]
     assert all(x.slurm.kind == "het_component" for x in p.groups)
-    # Megatron order tp-cp-dp-pp, tp fastest: rank 4 is tp0 of dp1; rank 128 is the first rank of pp stage 1
+    # Megatron order tp-cp-dp-pp, tp fastest: rank 4 is tp0 of dp1
     assert t.coords(4) == {"tp": 0, "cp": 0, "dp": 1, "pp": 0}
-    assert t.coords(128) == {"tp": 0, "cp": 0, "dp": 0, "pp": 1}
-    assert t.coords(511) == {"tp": 3, "cp": 0, "dp": 31, "pp": 3}
+    assert t.coords(511) == {"tp": 3, "cp": 0, "dp": 127, "pp": 0}
     assert r.coords(191) == {"dp": 191}
 
 
@@ -67,6 +66,12 @@ IMPOSSIBLE = [
     pytest.param(("placement.rollout.tp=2", "placement.rollout.devices_per_task=3"), "does not divide devices_per_task=3",
         id="engine-tp-not-dividing-devices"),
     pytest.param(("placement.genrm.cp=2",), "context parallelism is a trainer feature", id="engine-cp"),
+    pytest.param(("placement.trainer.pp=2", "placement.trainer.dp=null"), "placement.trainer.pp=2: pipeline "
+        "parallelism is not implemented in the trainer", id="trainer-pp"),
+    pytest.param(("placement.trainer.cp=2", "placement.trainer.dp=null"), "placement.trainer.cp=2: context "
+        "parallelism is not implemented in the trainer", id="trainer-cp"),
+    pytest.param(("placement.rollout.pp=2", "placement.rollout.devices_per_task=2"), "placement.rollout.pp=2: "
+        "pipeline-parallel engine replicas are not implemented", id="engine-pp"),
     pytest.param(("placement.rollout.nodes=2",), "puts all groups on the same nodes", id="colocate-node-mismatch"),
     pytest.param(("placement.rollout.dp=3",), "placement.rollout.dp=3 but the group has 1 ranks", id="engine-dp-mismatch"),
     pytest.param(("train.prompts_per_step=7",), "set train.prompts_per_step=8", id="batch-not-divisible"),
@@ -112,3 +117,56 @@ def test_launch_lines_are_one_mpmd_world():
     # shared nodes: Slurm gives each component of a het step its own nodes, so one plain step placed rank by rank
     shared = srun_launch(plan(cfg("colocate_gpu.yaml")), "r", python="py")
     assert "--distribution=arbitrary" in shared and "--ntasks=80" in shared and ":" not in shared
+
+
+# ---------------------------------------------------------------- which GPUs each rank drives
+
+
+def _devices(p, group):
+    g = p.group(group)
+    return [p.device_ids(r) for r in range(g.rank_start, g.rank_stop)]
+
+
+def test_cpu_ranks_have_no_devices():
+    p = plan(cfg())
+    assert all(p.device_ids(r) == () for r in range(p.world_size))
+
+
+def test_colocate_gpu_every_group_counts_from_the_first_device_of_its_node():
+    p = plan(cfg("colocate_gpu.yaml"))  # 4 nodes x 8 GPUs; rollout tp1 x 8, GenRM tp2 x 4 per node
+    assert _devices(p, "trainer")[:9] == [(i,) for i in range(8)] + [(0,)]
+    assert _devices(p, "rollout")[:9] == [(i,) for i in range(8)] + [(0,)]
+    assert _devices(p, "genrm")[:5] == [(0, 1), (2, 3), (4, 5), (6, 7), (0, 1)]
+
+
+def test_partial_gpu_genrm_takes_the_devices_after_rollout():
+    p = plan(cfg("partial_gpu.yaml"))  # 2 nodes x 8 GPUs: rollout 6 x 1, GenRM 1 x tp2
+    assert _devices(p, "rollout") == [(i,) for i in range(6)] * 2
+    assert _devices(p, "genrm") == [(6, 7), (6, 7)]
+    per_node = {}  # on each node the engine ranks cover the trainer's 8 devices exactly once
+    for group in ("rollout", "genrm"):
+        g = p.group(group)
+        for r in range(g.rank_start, g.rank_stop):
+            per_node.setdefault((r - g.rank_start) // g.tasks_per_node, []).extend(p.device_ids(r))
+    assert all(sorted(ids) == list(range(8)) for ids in per_node.values())
+
+
+def test_disjoint_1024_gpu_replicas_own_consecutive_devices_of_their_node():
+    p = plan(cfg("qwen2_7b_disjoint_1024gpu.yaml"))
+    assert _devices(p, "rollout")[:5] == [(0, 1), (2, 3), (4, 5), (6, 7), (0, 1)]
+    assert _devices(p, "genrm")[:3] == [(0, 1, 2, 3), (4, 5, 6, 7), (0, 1, 2, 3)]
+    assert _devices(p, "trainer")[7:9] == [(7,), (0,)]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_no_two_ranks_of_a_group_share_a_device_on_a_node(name):
+    p = plan(cfg(name))
+    for g in p.groups:
+        seen = {}
+        for r in range(g.rank_start, g.rank_stop):
+            node = (r - g.rank_start) // g.tasks_per_node
+            for d in p.device_ids(r):
+                assert (node, d) not in seen, (name, g.name, r, seen[(node, d)], d)
+                seen[(node, d)] = r
+                assert d < p.group("trainer").tasks_per_node * max(1, p.group("trainer").devices_per_task) \
+                    or p.mode == "disjoint", (name, g.name, r, d)

@@ -19,7 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class Section(BaseModel):
     """Base of every config section: frozen, unknown keys rejected, field docstrings kept."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
+
+
+# A Slurm time limit: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (the renderers in launch/ read it with this).
+SLURM_TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<a>\d+)(?::(?P<b>\d+))?(?::(?P<c>\d+))?$")
 
 
 class ModelConfig(Section):
@@ -29,9 +33,22 @@ class ModelConfig(Section):
     """Directory of the initial policy in Hugging Face layout (config.json + *.safetensors + tokenizer).
     Relative paths are resolved against the working directory of `yatt-hpc run`."""
     arch: Literal["auto", "gpt2", "llama", "qwen2"] = "auto"
-    """Architecture for the Megatron <-> HF converter; `auto` reads `model_type` from config.json."""
+    """Architecture the Megatron <-> HF converter uses. `auto` takes `model_type` from config.json; a named
+    arch is checked against config.json before launch and a mismatch refuses the run."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype of the trainer. CPU runs need float32 for exact weight-sync checks."""
+    """Parameter dtype of the trainer's model, the rollout engines and the judge. `bfloat16` keeps fp32 master
+    weights and AdamW state in the trainer and syncs weights to the engines in bfloat16. `float16` is refused
+    (it would need loss scaling). The trainer scores with the same dtype the engines sample with, so the
+    rollout/trainer logprob gap (`train/rollout_logp_diff_max`) is ~1e-6 in float32 and ~1e-2 in bfloat16."""
+
+    @field_validator("dtype")
+    @classmethod
+    def _no_fp16(cls, value: str) -> str:
+        if value == "float16":
+            raise ValueError("model.dtype=float16 is not supported: fp16 training needs loss scaling, which the "
+                             "trainer does not do; use model.dtype=bfloat16 (same memory, no scaling needed) "
+                             "or float32")
+        return value
 
 
 class DataConfig(Section):
@@ -112,7 +129,7 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass; only 1.0 is accepted for training rollouts (see the validator)."""
     weight_sync_bucket_mb: float = Field(64.0, gt=0)
     """Size of one trainer -> rollout weight-sync bucket in MiB."""
     stream_chunk: int = Field(8, ge=1)
@@ -137,6 +154,16 @@ class RolloutConfig(Section):
     or `least_loaded` (per wave, every group to the least-loaded rollout rank by estimated tokens)."""
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     """Dynamic sampling (off by default)."""
+
+    @field_validator("top_p")
+    @classmethod
+    def _full_support_only(cls, value: float) -> float:
+        if value < 1.0:
+            raise ValueError(f"rollout.top_p={value:g} is not supported: the engines report each token's logprob "
+                             "under the untruncated softmax (as SGLang does) and the trainer scores the same, so "
+                             "with nucleus sampling the PPO ratio would not be the ratio to the distribution the "
+                             "tokens were drawn from; set rollout.top_p=1.0 (use rollout.temperature to sharpen)")
+        return value
 
 
 class RewardConfig(Section):
@@ -269,6 +296,14 @@ class SlurmConfig(Section):
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables the job script exports before the launch, e.g. `{OMPI_MCA_btl: "self,tcp"}`
     (needed on the one-host dev cluster, whose virtual nodes cannot use Open MPI's shared-memory transport)."""
+
+    @field_validator("time")
+    @classmethod
+    def _slurm_time(cls, value: str) -> str:
+        if not SLURM_TIME.match(value):
+            raise ValueError(f"slurm.time={value!r} is not a Slurm time limit; use minutes (90), H:M:S (4:00:00) "
+                             "or D-H:M:S (1-00:00:00)")
+        return value
 
     @field_validator("env", mode="before")
     @classmethod

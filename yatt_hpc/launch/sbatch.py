@@ -20,7 +20,7 @@ import re
 import shlex
 from collections.abc import Iterable, Sequence
 
-from yatt_hpc.config.schema import RunConfig
+from yatt_hpc.config.schema import SLURM_TIME, RunConfig
 from yatt_hpc.placement import GroupPlan, Plan
 
 LAUNCHER_MODULE = "yatt_hpc.launch.launcher"
@@ -29,7 +29,7 @@ SUBMITIT_MODULE = "submitit.core._submit"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _SIGNAL = re.compile(r"^(?:B:)?(?:SIG)?(?P<name>[A-Z][A-Z0-9]*|[0-9]+)@(?P<secs>[0-9]+)$")
-_TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<a>\d+)(?::(?P<b>\d+))?(?::(?P<c>\d+))?$")
+_TIME = SLURM_TIME
 _MEM = re.compile(r"^(?P<n>\d+)(?P<unit>[KMGT]?)B?$", re.I)
 
 

@@ -104,6 +104,27 @@ class Plan:
             return sum(g.devices for g in self.groups)
         return max(g.devices for g in self.groups) if self.mode == "colocate" else self.group("trainer").devices
 
+    def device_ids(self, world_rank: int) -> tuple[int, ...]:
+        """The node-local GPU indices world rank `world_rank` drives (empty on CPU).
+
+        Ranks of a group sit `tasks_per_node` per node in rank order (see `launch.commands.rank_hosts`);
+        local rank l takes devices [l*d, (l+1)*d) of its node, d = devices_per_task, counted from the
+        group's first device on the node: 0 for the trainer, for colocate (every group takes all the
+        devices in turn) and for disjoint (own nodes); in partial mode GenRM's devices follow rollout's.
+        The indices are into the node's visible devices (Slurm's `--gpus-per-node` lists all of them
+        for every task), so an engine's base GPU id or the trainer's `torch.cuda.set_device` takes them.
+        """
+        g = self.group(self.group_of(world_rank))
+        if not g.devices_per_task:
+            return ()
+        local = (world_rank - g.rank_start) % g.tasks_per_node
+        first = 0
+        if self.mode == "partial" and g.name == "genrm":
+            rollout = self.group("rollout")
+            first = rollout.tasks_per_node * rollout.devices_per_task
+        start = first + local * g.devices_per_task
+        return tuple(range(start, start + g.devices_per_task))
+
     def group(self, name: str) -> GroupPlan:
         for g in self.groups:
             if g.name == name:
@@ -144,6 +165,11 @@ def _trainer_layout(gp: GroupPlacement) -> tuple[tuple[str, int], ...]:
     if gp.devices_per_task > 1:
         raise PlanError(f"{f}.devices_per_task={gp.devices_per_task}: a Megatron rank drives exactly one device; "
                         f"set {f}.devices_per_task=1 and {f}.tasks_per_node to the GPUs per node")
+    for dim, what in (("pp", "pipeline"), ("cp", "context")):
+        if getattr(gp, dim) != 1:
+            raise PlanError(f"{f}.{dim}={getattr(gp, dim)}: {what} parallelism is not implemented in the trainer (it "
+                            f"would build Megatron with {dim}=1 and a {getattr(gp, dim)}x larger data-parallel group "
+                            f"than planned); set {f}.{dim}=1 and use tp (inside a node) and dp")
     model_par = gp.tp * gp.cp * gp.pp
     if ranks % model_par:
         raise PlanError(f"{f}: tp*cp*pp = {gp.tp}*{gp.cp}*{gp.pp} = {model_par} does not divide the group's "
@@ -163,6 +189,9 @@ def _engine_layout(name: str, gp: GroupPlacement) -> tuple[tuple[str, int], ...]
     f = f"placement.{name}"
     if gp.cp != 1:
         raise PlanError(f"{f}.cp={gp.cp}: context parallelism is a trainer feature; set {f}.cp=1")
+    if gp.pp != 1:
+        raise PlanError(f"{f}.pp={gp.pp}: pipeline-parallel engine replicas are not implemented (the engines are "
+                        f"built with tp only); set {f}.pp=1 and give a replica tp devices")
     per_replica = gp.tp * gp.pp
     if gp.devices_per_task == 0 and per_replica != 1:
         raise PlanError(f"{f}: tp*pp={per_replica} needs GPUs but devices_per_task=0 (CPU engines are tp=pp=1); "

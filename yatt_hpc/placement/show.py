@@ -4,6 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.launch.commands import local_launch, render, srun_launch
 from yatt_hpc.placement.plan import Plan
 
@@ -12,21 +13,43 @@ def layout_text(layout: tuple[tuple[str, int], ...]) -> str:
     return " ".join(f"{dim}{size}" for dim, size in layout)
 
 
+def node_gpus_text(p: Plan, group: str) -> str:
+    """The GPUs of one node each local rank of `group` drives (`Plan.device_ids`), e.g. `0-1 2-3`."""
+    g = p.group(group)
+    if not g.devices_per_task:
+        return "-"
+    ids = [p.device_ids(r) for r in range(g.rank_start, g.rank_start + g.tasks_per_node)]
+    return " ".join(str(d[0]) if len(d) == 1 else f"{d[0]}-{d[-1]}" for d in ids)
+
+
 def plan_table(p: Plan) -> Table:
     table = Table(title=f"placement: {p.mode}  ({p.world_size} ranks, {p.total_nodes} nodes, "
                         f"{p.total_devices} devices)")
-    for col in ("group", "ranks", "nodes", "tasks/node", "gpus/task", "cpus/task", "layout", "slurm"):
-        table.add_column(col, justify="left" if col in ("group", "layout", "slurm") else "right")
+    for col in ("group", "ranks", "nodes", "tasks/node", "gpus/task", "cpus/task", "layout", "node gpus", "slurm"):
+        table.add_column(col, justify="left" if col in ("group", "layout", "node gpus", "slurm") else "right")
     for g in p.groups:
         table.add_row(g.name, f"{g.rank_start}-{g.rank_stop - 1}", str(g.nodes), str(g.tasks_per_node),
                       str(g.devices_per_task) if g.devices_per_task else "cpu", str(g.cpus_per_task),
-                      layout_text(g.layout), g.slurm.describe())
+                      layout_text(g.layout), node_gpus_text(p, g.name), g.slurm.describe())
     return table
 
 
-def print_plan(p: Plan, run_dir: str, console: Console, python: str = "python3") -> None:
+def what_runs(cfg: RunConfig) -> list[str]:
+    """The model, precision, engines and sampling the ranks will build, in words."""
+    m, r = cfg.model, cfg.rollout
+    precision = "bfloat16 parameters, fp32 master weights and AdamW state" if m.dtype == "bfloat16" else m.dtype
+    judge = "off (reward.mode=rule_only)" if cfg.reward.mode == "rule_only" else f"{r.engine} engine, {m.dtype}"
+    return [f"trainer: Megatron-Core from {m.path} (arch {m.arch}), {precision}",
+            f"rollout: {r.engine} engine, {m.dtype}, weights synced in {m.dtype}; sampling temperature "
+            f"{r.temperature:g} (the trainer scores at the same temperature), top_p {r.top_p:g}",
+            f"genrm: {judge}"]
+
+
+def print_plan(p: Plan, run_dir: str, console: Console, python: str = "python3", cfg: RunConfig | None = None) -> None:
     console.print(plan_table(p))
     console.print("leader (decisions only): world rank 0 = trainer rank 0")
+    for line in what_runs(cfg) if cfg is not None else ():
+        console.print(line, markup=False, highlight=False)
     if p.dynamic_split:
         pool, first = p.pool_ranks, p.group("rollout").tasks
         console.print(f"dynamic split: ranks {pool.start}-{pool.stop - 1} are one engine pool, re-split by load every "

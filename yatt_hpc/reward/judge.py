@@ -1,61 +1,72 @@
-"""The generative reward model (GenRM) engine: a causal LM that writes a verdict on (question, response).
+"""The generative reward model (GenRM) judge: a causal LM, served by a rollout engine, that writes a
+verdict on (question, response).
 
     from yatt_hpc.reward.judge import GenRMJudge
-    judge = GenRMJudge.from_pretrained("models/demo/judge")            # greedy, 4 verdict tokens
+    judge = GenRMJudge.from_pretrained("models/demo/judge")            # hf engine on CPU, greedy, 4 tokens
+    judge = GenRMJudge.from_pretrained(path, engine="sglang", device="cuda:4", tp_size=4, dtype="bfloat16")
     texts = judge.generate_verdicts([("reverse abcdab=", "badcba")])   # -> ["yes"]
     scores = judge.score([("reverse abcdab=", "badcba")])              # -> [1.0]  (None = unparseable)
 
-The judge reads `template.build_judge_prompt(question, response)` and generates text;
-`verdict.parse_verdict` turns the text into a score; `mixing.combine_reward` makes the reward. The
-engine runs on CPU or on whatever device the model is on.
+The judge reads `template.build_judge_prompt(question, response)`; the engine is the same
+`rollout.engine.BaseEngine` the rollout group uses (`hf` on CPU or one GPU, `sglang` with tp GPUs),
+so release/resume, dtype and device binding are those of the rollout engines. `verdict.parse_verdict`
+turns the text into a score; `mixing.combine_reward` makes the reward.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from yatt_hpc.demo.char_tokenizer import CharTokenizer
-from yatt_hpc.offload import HostParking
 from yatt_hpc.reward.template import build_judge_prompt
 from yatt_hpc.reward.verdict import parse_verdict
+from yatt_hpc.rollout.engine import BaseEngine, GenerationRequest, build_engine
 
 
 class GenRMJudge:
-    """Batched verdict generation with a Hugging Face causal LM and a yatt-hpc character tokenizer."""
+    """Batched verdict generation on a `BaseEngine` with the judge's tokenizer."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: CharTokenizer, *, max_new_tokens: int = 4,
-                 temperature: float = 0.0, batch_size: int = 64) -> None:
-        if max_new_tokens < 1 or temperature < 0 or batch_size < 1:
-            raise ValueError(f"GenRMJudge needs max_new_tokens >= 1, temperature >= 0, batch_size >= 1; got "
-                             f"{max_new_tokens}, {temperature}, {batch_size}")
-        self.model = model.eval()
-        self.device = next(model.parameters()).device  # where it runs; release_memory parks it on the host
-        self._parking = HostParking()
+    def __init__(self, engine: BaseEngine, tokenizer, *, max_positions: int, max_new_tokens: int = 4,
+                 temperature: float = 0.0, batch_size: int = 64, seed: int = 0) -> None:
+        if max_new_tokens < 1 or temperature < 0 or batch_size < 1 or max_positions <= max_new_tokens:
+            raise ValueError(f"GenRMJudge needs max_new_tokens >= 1, temperature >= 0, batch_size >= 1 and "
+                             f"max_positions > max_new_tokens; got {max_new_tokens}, {temperature}, {batch_size}, "
+                             f"{max_positions}")
+        self.engine = engine
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.batch_size = batch_size
-        max_positions = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+        self.seed = seed
         self.max_prompt_tokens = max_positions - max_new_tokens
+        self._calls = 0
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "cpu", **kwargs) -> GenRMJudge:
-        """Load a judge saved with `save_pretrained` plus `CharTokenizer.save` in the same directory."""
-        from transformers import AutoModelForCausalLM  # imported here: transformers import is slow
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", *, engine: str = "hf", tp_size: int = 1,
+                        dtype: str | None = "float32", seed: int = 0, **kwargs) -> GenRMJudge:
+        """The judge in HF directory `path` (weights, config.json and its tokenizer) on an `engine`."""
+        from transformers import AutoConfig  # imported here: transformers import is slow
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
-        return cls(model, CharTokenizer.load(path), **kwargs)
+        from yatt_hpc.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(path)
+        config = AutoConfig.from_pretrained(str(path)).get_text_config()
+        opts: dict = {"dtype": dtype}
+        if engine == "hf":
+            opts["max_batch_size"] = kwargs.get("batch_size", 64)
+            eos = getattr(tokenizer, "eos_id", None)  # the demo's character tokenizer names its eos
+            if eos is not None:
+                opts["stop_token_ids"] = [eos]
+        served = build_engine(engine, str(path), device=device, tp_size=tp_size, seed=seed, **opts)
+        return cls(served, tokenizer, max_positions=int(config.max_position_embeddings), seed=seed, **kwargs)
 
     def release_memory(self) -> None:
-        """Full colocation: weights to host memory and the cached blocks back to CUDA (no-op on CPU)."""
-        if self.device.type == "cuda":
-            self._parking.release([self.model])
+        """Full colocation: the engine gives its device memory back (no-op on CPU)."""
+        self.engine.release_memory()
 
     def resume_memory(self) -> None:
-        if self.device.type == "cuda":
-            self._parking.resume([self.model], None, self.device)
+        self.engine.resume_memory()
 
     def generate_verdicts(self, pairs: Sequence[tuple[str, str]]) -> list[str]:
         """Verdict text for each (question, response) pair, in order. A question too long for the
@@ -63,15 +74,33 @@ class GenRMJudge:
         prompts = [self._prompt_ids(q, r) for q, r in pairs]
         fits = [i for i, p in enumerate(prompts) if p is not None]
         out = [""] * len(pairs)
-        for start in range(0, len(fits), self.batch_size):
-            chunk = fits[start:start + self.batch_size]
-            for i, text in zip(chunk, self._generate([prompts[i] for i in chunk])):
-                out[i] = text
+        self._calls += 1
+        requests = [GenerationRequest(sample_id=i, prompt_ids=np.asarray(prompts[i], np.int64),
+                                      max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                      seed=self._seed_of(i)) for i in fits]
+        for result in self.engine.generate(requests):
+            out[result.sample_id] = self._decode(result.response_ids)
         return out
 
     def score(self, pairs: Sequence[tuple[str, str]]) -> list[float | None]:
         """Parsed verdict scores; None where the verdict could not be parsed."""
         return [parse_verdict(text) for text in self.generate_verdicts(pairs)]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def _seed_of(self, index: int) -> int | None:
+        # greedy verdicts need no seed; sampled ones get one per (call, pair), reproducible per run
+        if self.temperature == 0:
+            return None
+        mixed = np.random.SeedSequence([self.seed & 0xFFFFFFFF, self._calls, index])
+        return int(mixed.generate_state(1, dtype=np.uint64)[0] % 2**63)
+
+    def _decode(self, ids: np.ndarray) -> str:
+        decode_generated = getattr(self.tokenizer, "decode_generated", None)
+        if decode_generated is not None:
+            return decode_generated(ids.tolist())
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
 
     def _prompt_ids(self, question: str, response: str) -> list[int] | None:
         ids = self.tokenizer.encode(build_judge_prompt(question, response))
@@ -81,19 +110,3 @@ class GenRMJudge:
             keep = max(0, len(response.strip()) - excess)
             ids = self.tokenizer.encode(build_judge_prompt(question, response.strip()[:keep]))
         return ids if len(ids) <= self.max_prompt_tokens else None
-
-    @torch.no_grad()
-    def _generate(self, prompts: list[list[int]]) -> list[str]:
-        width = max(len(p) for p in prompts)
-        pad = self.tokenizer.pad_id
-        # Left padding keeps every prompt's last token at the same column; generate derives the
-        # position ids from the attention mask, so padded and unpadded prompts score the same.
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
-        device = next(self.model.parameters()).device
-        sampling = {"do_sample": True, "temperature": self.temperature, "top_k": 0} if self.temperature > 0 \
-            else {"do_sample": False}
-        tokens = self.model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                                     max_new_tokens=self.max_new_tokens, pad_token_id=pad,
-                                     eos_token_id=self.tokenizer.eos_id, **sampling)
-        return [self.tokenizer.decode_generated(row) for row in tokens[:, width:].tolist()]

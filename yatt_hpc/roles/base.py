@@ -14,6 +14,23 @@ parameters and optimizer state) must be announced with `guard.enter_mutation()` 
 from __future__ import annotations
 
 from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
+from yatt_hpc.errors import InputError
+
+
+def rank_device(world) -> str:
+    """The torch device this rank's model lives on: `cpu`, or `cuda:<first of plan.device_ids>` (an engine
+    replica of tp devices takes the consecutive ones after it: SGLang's base GPU id)."""
+    ids = world.plan.device_ids(world.rank)
+    if not ids:
+        return "cpu"
+    import torch
+
+    visible = torch.cuda.device_count()
+    if ids[-1] >= visible:
+        raise InputError(f"{world.group} rank (world rank {world.rank}) is planned on GPUs {list(ids)} of its node, "
+                         f"but this process sees {visible}; give the job all GPUs of each node "
+                         f"(--gpus-per-node), or lower placement.{world.group}.tasks_per_node/devices_per_task")
+    return f"cuda:{ids[0]}"
 
 
 class BaseController:

@@ -46,7 +46,7 @@ from yatt_hpc.data.consumed import ConsumedLog
 from yatt_hpc.data.prompts import build_prompt_source
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.errors import InputError
-from yatt_hpc.roles.base import BaseController
+from yatt_hpc.roles.base import BaseController, rank_device
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.runtime.rank_stats import RankStats
@@ -88,10 +88,15 @@ class TrainerController(BaseController):
         self.source = build_prompt_source(cfg.data, self.tokenizer)
         addr, port = self._rendezvous()
         tp = world.plan.group("trainer").size("tp")
+        device = rank_device(world)
         megatron_model.initialize_model_parallel(world.group_rank, world.group_comm.Get_size(), addr, port,
-                                                 tp_size=tp, seed=cfg.train.seed)
+                                                 tp_size=tp, seed=cfg.train.seed,
+                                                 cuda_device=torch.device(device).index)
+        megatron_model.check_groups(world.plan.group("trainer"))
         torch.manual_seed(cfg.train.seed)
-        self.policy = MegatronPolicy.from_hf(cfg.model.path, self.tp_rank, tp, cfg.train)
+        self.policy = MegatronPolicy.from_hf(cfg.model.path, self.tp_rank, tp, cfg.train,
+                                             dtype=getattr(torch, cfg.model.dtype),
+                                             temperature=cfg.rollout.temperature)
         self.colocate = world.plan.mode == "colocate"
         if self.colocate:
             self.policy.release_memory()  # rollout and GenRM take the devices first each step
@@ -291,11 +296,10 @@ class TrainerController(BaseController):
 
     def checkpoint_state(self, step: int, light: dict | None = None) -> RankState:
         """Parameters (dp rank 0 of the shard), optimizer state, and `light_state` (now, or from the step start)."""
-        model = self.policy.model
         params = None
         if self.dp_rank == 0:
-            params = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-        optim, meta = optimizer_tensors(self.policy.optimizer, model.named_parameters())
+            params = self.policy.checkpoint_tensors()
+        optim, meta = optimizer_tensors(self.policy.optimizer, self.policy.master.items())
         return RankState(self.identity, {"dp": self.dp_rank, "tp": self.tp_rank, "pp": 0}, model=params,
                          optim=optim, optim_meta=meta, **(light if light is not None else self.light_state(step)))
 
@@ -304,10 +308,8 @@ class TrainerController(BaseController):
         self.policy.optimizer.register_step_pre_hook(lambda *_: guard.enter_mutation())
 
     def restore(self, restored) -> None:
-        from yatt_hpc.train.megatron_model import load_megatron_shard
-
-        load_megatron_shard(self.policy.model, restored.model)
-        load_optimizer_tensors(self.policy.optimizer, self.policy.model.named_parameters(),
+        self.policy.load_checkpoint_tensors(restored.model)
+        load_optimizer_tensors(self.policy.optimizer, self.policy.master.items(),
                                restored.optim, restored.optim_meta)
         restore_rng(restored.rng)
         if "next_index" not in restored.data_position or "sampling" not in restored.extra:
@@ -322,10 +324,8 @@ class TrainerController(BaseController):
         self.consumed.truncate(step)
 
     def load_weights(self, loaded) -> None:
-        from yatt_hpc.train.megatron_model import load_megatron_shard
-
         step, weights = loaded
-        load_megatron_shard(self.policy.model, weights)
+        self.policy.load_checkpoint_tensors(weights)
         log.info("initialized weights from %s (its step %d)", self.cfg.checkpoint.load_from, step)
 
     def after_resume(self, step: int) -> None:

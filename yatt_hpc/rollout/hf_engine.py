@@ -90,7 +90,7 @@ class HFEngine(BaseEngine):
 
     def __init__(
         self,
-        model_dir: str,
+        model_dir: str | torch.nn.Module,
         *,
         device: str = "cpu",
         tp_size: int = 1,
@@ -99,7 +99,8 @@ class HFEngine(BaseEngine):
         max_batch_size: int = 64,
         stop_token_ids: Sequence[int] | None = None,
     ) -> None:
-        """``dtype``: e.g. "float32" / "bfloat16", None keeps the checkpoint's. ``max_batch_size``: rows
+        """``model_dir``: an HF model directory, or an already built causal LM. ``dtype``: e.g. "float32" /
+        "bfloat16", None keeps the checkpoint's. ``max_batch_size``: rows
         per decode micro-batch. ``stop_token_ids``: tokens that end a response; None takes the model's
         eos ids from generation_config.json / config.json."""
         if tp_size != 1:
@@ -107,8 +108,10 @@ class HFEngine(BaseEngine):
         if max_batch_size < 1:
             raise ValueError(f"HFEngine max_batch_size={max_batch_size}; it must be >= 1")
         self._device = torch.device(device)
-        torch_dtype = getattr(torch, dtype) if dtype else "auto"
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        if isinstance(model_dir, torch.nn.Module):  # a model built in memory (tools/make_demo_models.py)
+            model = model_dir if dtype is None else model_dir.to(getattr(torch, dtype))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype) if dtype else "auto")
         self._model = model.to(self._device).eval()
         self._seed = seed
         self._max_batch_size = max_batch_size

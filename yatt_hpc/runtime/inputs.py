@@ -7,6 +7,7 @@ not see what the login node saw).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from yatt_hpc.config.schema import RunConfig
@@ -26,7 +27,22 @@ def check_model_dir(path: str, field: str) -> None:
                          f"checkpoints); convert the weights to safetensors or {hint}")
 
 
+def check_model_arch(cfg: RunConfig) -> None:
+    """A named `model.arch` must be what the policy's config.json says it is."""
+    if cfg.model.arch == "auto":
+        return
+    path = Path(cfg.model.path) / "config.json"
+    try:
+        found = json.loads(path.read_text()).get("model_type")
+    except (OSError, ValueError) as err:
+        raise InputError(f"model.path={cfg.model.path!r}: config.json cannot be read ({err})") from None
+    if found != cfg.model.arch:
+        raise InputError(f"model.arch={cfg.model.arch} but {path} has model_type={found!r}; set model.arch=auto "
+                         f"(or model.arch={found}), or point model.path at a {cfg.model.arch} model")
+
+
 def check_model_dirs(cfg: RunConfig) -> None:
     check_model_dir(cfg.model.path, "model.path")
+    check_model_arch(cfg)
     if cfg.reward.mode != "rule_only":
         check_model_dir(cfg.reward.genrm_path, "reward.genrm_path")

@@ -64,6 +64,22 @@ def initialize_model_parallel(
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def built_group_sizes() -> dict[str, int]:
+    """The sizes of the Megatron groups this rank is in (after `initialize_model_parallel`)."""
+    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "cp": parallel_state.get_context_parallel_world_size(),
+            "dp": parallel_state.get_data_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size()}
+
+
+def check_groups(planned: Any) -> None:
+    """Raise if the Megatron groups built differ from the plan's trainer layout (a `GroupPlan`): a
+    data-parallel group larger than planned would sum more replicas' gradients than the batch has."""
+    built, want = built_group_sizes(), dict(planned.layout)
+    if built != want:
+        raise RuntimeError(f"Megatron built groups {built} but the plan's trainer layout is {want}")
+
+
 def destroy_model_parallel() -> None:
     """Undo :func:`initialize_model_parallel` (tests run several worlds in one process)."""
     parallel_state.destroy_model_parallel()
@@ -134,6 +150,10 @@ def build_gpt_model(
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
     cpu_compat.make_rope_cpu_safe(model)
+    if params_dtype != torch.float32:
+        # what Megatron's Float16Module does: the norms and position embeddings of the local spec are
+        # built in fp32 whatever params_dtype says, so the whole model is cast once
+        model.to(params_dtype)
     if not cpu_compat.is_cpu_runtime():
         model.cuda(torch.cuda.current_device())
     return model

@@ -8,6 +8,12 @@ Data parallelism is plain: each DP replica computes gradients on its own samples
 already divided by the global token count, so an all-reduce SUM over the DP group gives the exact
 gradient of the whole batch's token-mean loss. (Megatron's DDP and optimizer hard-code CUDA; on
 GPU the same code runs with NCCL.)
+
+Mixed precision (`model.dtype: bfloat16`): the Megatron model holds bf16 parameters (forward,
+backward, weight sync and the engines all in bf16); AdamW runs on fp32 master copies. After a
+backward the bf16 gradients are moved into fp32 master gradients, reduced and clipped there; the
+optimizer steps the masters and the bf16 parameters are rounded from them. Checkpoints hold the
+fp32 masters, so a resumed bf16 run continues from exactly the same state.
 """
 from __future__ import annotations
 
@@ -56,21 +62,27 @@ def load_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 class MegatronPolicy:
-    def __init__(self, model, hf_config, cfg: TrainConfig, reference=None):
+    def __init__(self, model, hf_config, cfg: TrainConfig, reference=None, temperature: float = 1.0):
         self.model = model
         self.hf_config = hf_config
         self.cfg = cfg
         self.reference = reference
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+        self.named_params = dict(model.named_parameters())
+        self.mixed = any(p.dtype != torch.float32 for p in self.named_params.values())
+        # fp32 masters for a bf16 model (the optimizer's parameters); the model's own otherwise
+        self.master = {name: _master_copy(p) for name, p in self.named_params.items()} if self.mixed \
+            else self.named_params
+        self.optimizer = torch.optim.AdamW(self.master.values(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            betas=(0.9, 0.999), eps=1e-8)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
-        self.temperature = 1.0
+        # the rollout's sampling temperature: logprobs score the distribution the tokens came from
+        self.temperature = temperature
         self._parking = HostParking()
 
     @classmethod
     def from_hf(cls, model_dir: str | Path, tp_rank: int, tp_size: int, cfg: TrainConfig,
-                dtype: torch.dtype = torch.float32) -> MegatronPolicy:
+                dtype: torch.dtype = torch.float32, temperature: float = 1.0) -> MegatronPolicy:
         model_dir = Path(model_dir)
         hf_config = AutoConfig.from_pretrained(str(model_dir))
         hf_state = load_hf_state_dict(model_dir)
@@ -82,7 +94,7 @@ class MegatronPolicy:
             reference = megatron_model.build_gpt_model(hf_config, tp_size, params_dtype=dtype)
             megatron_model.load_megatron_shard(reference, shard)
             reference.eval().requires_grad_(False)
-        return cls(model, hf_config, cfg, reference)
+        return cls(model, hf_config, cfg, reference, temperature=temperature)
 
     # ------------------------------------------------------------------ the update
 
@@ -100,9 +112,11 @@ class MegatronPolicy:
                     setattr(totals, key, getattr(totals, key) + getattr(stats, key))
                 if update == 0:
                     totals.logp_diff_max = max(totals.logp_diff_max, stats.logp_diff_max)
+            self._grads_to_master()
             self._allreduce_grads()
             totals.grad_norm = self._clip_grads()
             self.optimizer.step()
+            self._master_to_model()
         passes = self.cfg.updates_per_step
         for key in ("loss", "kl", "entropy", "clip_frac", "tokens"):
             setattr(totals, key, getattr(totals, key) / passes)
@@ -144,11 +158,41 @@ class MegatronPolicy:
                 grads.append(p.grad)
         allreduce_bucketed(grads, self.dp_group, GRAD_BUCKET_MB * 2**20)
 
+    def _grads_to_master(self) -> None:
+        """bf16 model: move each gradient into its fp32 master (the model's own grads are dropped)."""
+        if not self.mixed:
+            return
+        for name, p in self.named_params.items():
+            master = self.master[name]
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    @torch.no_grad()
+    def _master_to_model(self) -> None:
+        if self.mixed:
+            for name, p in self.named_params.items():
+                p.copy_(self.master[name])
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with every parameter at full (master) precision."""
+        state = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        if self.mixed:
+            state.update({name: m.detach() for name, m in self.master.items() if name in state})
+        return state
+
+    def load_checkpoint_tensors(self, shard: dict[str, torch.Tensor]) -> None:
+        """Inverse of `checkpoint_tensors` (a converter shard works too): model and masters."""
+        megatron_model.load_megatron_shard(self.model, shard)
+        if self.mixed:
+            with torch.no_grad():
+                for name, master in self.master.items():
+                    master.copy_(shard[name])
+
     def _clip_grads(self) -> float:
         """Global L2 norm over the whole (TP-sharded) model; clip to `grad_clip` if set."""
         # summed on the parameters' device: NCCL reduces device tensors only, and one sync at the end
         sharded, replicated = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-        for p in self.model.parameters():
+        for p in self.master.values():
             if p.grad is None:
                 continue
             sq = p.grad.detach().float().pow(2).sum()
@@ -161,7 +205,7 @@ class MegatronPolicy:
         norm = math.sqrt(float(sharded + replicated))
         if self.cfg.grad_clip and norm > self.cfg.grad_clip:
             scale = self.cfg.grad_clip / (norm + 1e-6)
-            for p in self.model.parameters():
+            for p in self.master.values():
                 if p.grad is not None:
                     p.grad.mul_(scale)
         return norm
@@ -176,18 +220,29 @@ class MegatronPolicy:
         if self.device.type != "cuda":
             return
         self.optimizer.zero_grad(set_to_none=True)
-        self._parking.release((self.model, self.reference), self.optimizer)
+        self._parking.release((self.model, self.reference), self.optimizer, self._master_list())
 
     def resume_memory(self) -> None:
         if torch.cuda.is_available():
             self._parking.resume((self.model, self.reference), self.optimizer,
-                                 torch.device("cuda", torch.cuda.current_device()))
+                                 torch.device("cuda", torch.cuda.current_device()), self._master_list())
+
+    def _master_list(self) -> list[torch.Tensor]:
+        return list(self.master.values()) if self.mixed else []
 
     # ------------------------------------------------------------------ weights out
 
     def hf_weights(self):
         """(hf_name, tensor) of the full model; collective over the TP group (all TP ranks iterate)."""
         return convert.iter_gathered_hf_weights(self.model, self.hf_config, self.tp_group)
+
+
+def _master_copy(p: torch.Tensor) -> torch.Tensor:
+    master = p.detach().float().clone().requires_grad_(True)
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):  # what clipping reads
+        if hasattr(p, attr):
+            setattr(master, attr, getattr(p, attr))
+    return master
 
 
 GRAD_BUCKET_MB = 64
