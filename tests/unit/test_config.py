@@ -52,6 +52,18 @@ BAD = [
     pytest.param(["placement.rollout.tasks_per_node=0"], ["placement.rollout.tasks_per_node", "0"], id="zero-rollout-ranks"),
     pytest.param(["train.steps"], ["is not of the form section.field=value"], id="override-without-value"),
     pytest.param(["checkpoint.keep_last=1"], ["checkpoint.keep_last", "greater than or equal to 2"], id="keep-last-1"),
+    pytest.param(["train.lr=inf"], ["train.lr", "'inf'", "finite number"], id="lr-inf"),
+    pytest.param(["checkpoint.stop_grace_s=nan"], ["checkpoint.stop_grace_s", "finite number"], id="grace-nan"),
+    pytest.param(["slurm.time=abc"], ["slurm.time='abc' is not a Slurm time limit", "4:00:00"], id="slurm-time"),
+    pytest.param(["rollout.top_p=0.9"], ["rollout.top_p=0.9 is not supported", "set rollout.top_p=1.0"], id="top-p"),
+    pytest.param(["model.dtype=float16"], ["model.dtype=float16 is not supported", "model.dtype=bfloat16"],
+                 id="fp16"),
+    pytest.param(["rollout.engine=sglang"], ["rollout.engine=sglang", "placement.rollout.devices_per_task=0"],
+                 id="sglang-on-cpu"),
+    pytest.param(["rollout.engine=sglang", "placement.rollout.devices_per_task=1"],
+                 ["placement.genrm.devices_per_task=0", "GenRM"], id="sglang-judge-on-cpu"),
+    pytest.param(["placement.genrm.devices_per_task=2", "placement.genrm.tp=2"],
+                 ["placement.genrm.tp=2: the hf engine runs one device per replica"], id="hf-engine-tp2"),
 ]
 
 

@@ -121,7 +121,8 @@ class RolloutConfig(Section):
     """Sampling responses from the current policy."""
 
     engine: Literal["hf", "sglang"] = "hf"
-    """Inference engine: `hf` (transformers, CPU or GPU) or `sglang` (GPU only, `pip install yatt-hpc[gpu]`)."""
+    """Inference engine of the rollout replicas and of the GenRM judge: `hf` (transformers, CPU or one GPU per
+    replica) or `sglang` (GPU only, tensor-parallel replicas, `pip install yatt-hpc[gpu]`)."""
     samples_per_prompt: int = Field(8, ge=1)
     """GRPO group size n: responses sampled per prompt."""
     max_new_tokens: int = Field(16, ge=1)
@@ -382,7 +383,14 @@ class RunConfig(Section):
                              f"slurm.signal={self.slurm.signal}: Slurm would kill the job before the checkpoint of a "
                              "given-up step is written; lower checkpoint.stop_grace_s (leave time to write a "
                              "checkpoint) or raise the @seconds of slurm.signal")
-        if self.rollout.engine == "sglang" and self.placement.rollout.devices_per_task == 0:
-            raise ValueError("rollout.engine=sglang needs GPUs but placement.rollout.devices_per_task=0; "
-                             "set placement.rollout.devices_per_task to rollout tp*pp, or use rollout.engine=hf")
+        engines = ("rollout",) + (("genrm",) if self.reward.mode != "rule_only" else ())
+        for group in engines:
+            shape = getattr(self.placement, group)
+            if self.rollout.engine == "sglang" and shape.devices_per_task == 0:
+                raise ValueError(f"rollout.engine=sglang (the engine of rollout and GenRM) needs GPUs but "
+                                 f"placement.{group}.devices_per_task=0; set placement.{group}.devices_per_task to "
+                                 f"its tp, or use rollout.engine=hf")
+            if self.rollout.engine == "hf" and shape.tp > 1:
+                raise ValueError(f"placement.{group}.tp={shape.tp}: the hf engine runs one device per replica; set "
+                                 f"placement.{group}.tp=1 or rollout.engine=sglang")
         return self
