@@ -1,4 +1,4 @@
-"""The parts of the SGLang engine that need no GPU: the install error, name checks, output conversion.
+"""The parts of the SGLang engine that need no GPU: the install error, name checks, output conversion, signals.
 
 Run: .venv/bin/python -m pytest tests/unit/test_sglang_engine_cpu.py
 (The engine itself is exercised by tests/gpu/test_sglang_engine.py on a CUDA machine.)
@@ -7,6 +7,8 @@ Run: .venv/bin/python -m pytest tests/unit/test_sglang_engine_cpu.py
 from __future__ import annotations
 
 import importlib.util
+import signal
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from yatt_hpc.rollout import GenerationRequest, build_engine
 from yatt_hpc.rollout.engine import validate_bucket
 from yatt_hpc.rollout.sglang_engine import (
     checkpoint_tensor_shapes,
+    drop_sigterm_drain,
     result_from_sglang_output,
 )
 
@@ -79,3 +82,48 @@ def test_sglang_output_becomes_a_generation_result(finish, expected):
     np.testing.assert_array_equal(result.response_ids, np.array([9, 8, 2], dtype=np.int32))
     np.testing.assert_array_equal(result.logprobs, np.array([-0.5, -1.25, -2.0], dtype=np.float32))
     np.testing.assert_array_equal(result.prompt_ids, [5, 6])
+
+
+class FakeLoop:
+    """The two calls of an asyncio/uvloop loop that SGLang's tokenizer manager makes; like theirs, adding
+    installs a Python-level handler of the loop's own and removing leaves SIG_DFL."""
+
+    def __init__(self):
+        self.handlers = {}
+
+    def add_signal_handler(self, sig, callback):
+        self.handlers[sig] = callback
+        signal.signal(sig, lambda *_: None)
+
+    def remove_signal_handler(self, sig):
+        del self.handlers[sig]
+        signal.signal(sig, signal.SIG_DFL)
+
+
+class FakeTokenizerManager:
+    """sglang/srt/managers/tokenizer_manager.py: the loop and its SIGTERM/SIGQUIT handlers come with the first request."""
+
+    def __init__(self):
+        self.event_loop = None
+
+    def auto_create_handle_loop(self):
+        if self.event_loop is None:
+            self.event_loop = FakeLoop()
+            self.event_loop.add_signal_handler(signal.SIGTERM, "drain, then kill_process_tree(include_parent=True)")
+            self.event_loop.add_signal_handler(signal.SIGQUIT, "a child failed: kill_process_tree")
+
+
+def test_sglang_engine_start_takes_sigterm_off_the_engine_loop_and_keeps_the_ranks_handler():
+    def ours(signum, frame):
+        pass
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGQUIT)}
+    manager = FakeTokenizerManager()
+    try:
+        signal.signal(signal.SIGTERM, ours)
+        drop_sigterm_drain(SimpleNamespace(tokenizer_manager=manager))
+        assert list(manager.event_loop.handlers) == [signal.SIGQUIT], "SIGQUIT (a failed child) stays SGLang's"
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import abc
 import difflib
+import importlib
+import logging
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -33,6 +36,9 @@ from typing_extensions import Self  # noqa: UP035 - typing.Self is 3.11+, setup.
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
 ENGINE_KINDS: tuple[str, ...] = ("hf", "sglang")
+# Test hook, never a user setting: tests.programs.<module>:<class> wraps every engine built (see build_engine).
+TEST_WRAPPER_ENV = "YATT_TEST_ENGINE_WRAPPER"
+log = logging.getLogger(__name__)
 
 # Seeds travel to SGLang as int64 and into torch.Generator.manual_seed; below 2**63 suits both.
 _SEED_LIMIT = 2**63
@@ -235,13 +241,33 @@ def build_engine(kind: str, model_dir: str, *, device: str, tp_size: int, seed: 
 
     ``opts`` go to the engine's constructor (see ``HFEngine`` and ``SGLangEngine`` for theirs).
     The engine modules are imported here, so ``import yatt_hpc.rollout`` never needs sglang.
+    Tests may wrap the engine (``maybe_wrap_for_tests``); the configured engine still does the work.
     """
     if kind == "hf":
         from yatt_hpc.rollout.hf_engine import HFEngine
 
-        return HFEngine(model_dir, device=device, tp_size=tp_size, seed=seed, **opts)
+        return maybe_wrap_for_tests(HFEngine(model_dir, device=device, tp_size=tp_size, seed=seed, **opts), kind)
     if kind == "sglang":
         from yatt_hpc.rollout.sglang_engine import SGLangEngine
 
-        return SGLangEngine(model_dir, device=device, tp_size=tp_size, seed=seed, **opts)
+        return maybe_wrap_for_tests(SGLangEngine(model_dir, device=device, tp_size=tp_size, seed=seed, **opts), kind)
     raise ValueError(f"unknown engine kind {kind!r}; valid kinds: {', '.join(ENGINE_KINDS)}")
+
+
+def maybe_wrap_for_tests(engine: BaseEngine, kind: str, environ: Mapping[str, str] = os.environ) -> BaseEngine:
+    """``YATT_TEST_ENGINE_WRAPPER=tests.programs.MODULE:CLASS`` returns ``CLASS(engine)`` instead of ``engine``.
+
+    For tests of how a rank lives with an engine's process habits (tests/programs/spawning_engine.py
+    starts a child and takes SIGTERM, as SGLang does) without a GPU. Only classes under
+    ``tests.programs`` are accepted, which no installed package ships, and the rank's log says so.
+    """
+    spec = environ.get(TEST_WRAPPER_ENV)
+    if not spec:
+        return engine
+    module, _, name = spec.partition(":")
+    if not module.startswith("tests.programs.") or not name:
+        raise ValueError(f"{TEST_WRAPPER_ENV}={spec!r}: this test hook takes tests.programs.<module>:<class>; "
+                         f"unset {TEST_WRAPPER_ENV} to run the configured engine alone")
+    wrapper = getattr(importlib.import_module(module), name)
+    log.warning("test hook %s=%s: the %r engine runs wrapped in %s", TEST_WRAPPER_ENV, spec, kind, name)
+    return wrapper(engine)

@@ -27,6 +27,11 @@ How the contract maps onto SGLang (source read: sglang/srt/entrypoints/engine.py
   + cache. An ``update_weights`` while released resumes just the weights before loading into them.
   ``weights_cpu_backup=True`` keeps a host copy so release/resume without an update keeps the weights;
   colocated loops that always update after resume can turn it off to save host memory.
+* Signals (managers/tokenizer_manager.py): the tokenizer manager registers, on its first request, SIGTERM
+  on the engine's event loop (``auto_create_handle_loop``): drain, then ``kill_process_tree`` SIGKILLs the
+  children and this process, so a preemption would kill the rank before it saves. The constructor has it
+  register now, takes SIGTERM back off the loop and restores the handler that was there before (SIGQUIT,
+  a failed child, stays SGLang's); the worker then checks all of them (``runtime/signals.StopFlag.reclaim``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import functools
 import glob
 import json
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
@@ -106,6 +112,19 @@ def result_from_sglang_output(request: GenerationRequest, output: dict, weight_v
     )
 
 
+def drop_sigterm_drain(engine) -> None:
+    """Create the tokenizer manager's event loop now, take its SIGTERM handler off it and put back the
+    process's own (see the module docstring). Off the main thread SGLang registers no signal handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    manager = engine.tokenizer_manager
+    manager.auto_create_handle_loop()
+    manager.event_loop.remove_signal_handler(signal.SIGTERM)  # which leaves SIG_DFL: death on SIGTERM
+    if before is not None:  # None: a handler installed outside Python, which removing cannot give back
+        signal.signal(signal.SIGTERM, before)
+
+
 class SGLangEngine(BaseEngine):
     """One ``sglang.Engine`` (tp_size GPUs from ``device``'s index on) behind ``BaseEngine``."""
 
@@ -152,6 +171,7 @@ class SGLangEngine(BaseEngine):
             kwargs.update(enable_deterministic_inference=True, sampling_backend="pytorch")
         kwargs.update(engine_kwargs)
         self._engine = sglang.Engine(**kwargs)
+        drop_sigterm_drain(self._engine)
         self._version = 0
         self._mid_update = False
         self._released: set[str] = set()

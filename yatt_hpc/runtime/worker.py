@@ -9,6 +9,12 @@ Failure policy: any error on any rank aborts the whole MPI world at once (MPI_Ab
 rank never leaves the others waiting in a receive. A user error (bad data, missing model file,
 mismatched launch) prints one line naming the cause and exits 2; anything else prints where the
 traceback is logged and exits 1.
+
+Safe as the main module of a `spawn` child: SGLang starts its scheduler and detokenizer with the
+multiprocessing `spawn` method, whose children re-run this module (as `__mp_main__`, so not `main()`).
+Its top level therefore imports the standard library only: above all not mpi4py, whose import runs
+MPI_Init, which in a child would join the world with the parent's PMIx identity
+(tests/unit/test_spawn_safety.py checks it).
 """
 from __future__ import annotations
 
@@ -18,12 +24,6 @@ import os
 import sys
 import traceback
 from pathlib import Path
-
-from mpi4py import MPI
-
-from yatt_hpc.errors import USER_ERRORS
-from yatt_hpc.placement import GROUPS
-from yatt_hpc.runtime.inputs import check_model_dirs
 
 EXIT_USER_ERROR, EXIT_BUG = 2, 1
 
@@ -72,6 +72,7 @@ def quiet_libraries() -> None:
 
 
 def run_rank(group: str, run_dir: Path) -> str:
+    from mpi4py import MPI
     from rich.console import Console
 
     from yatt_hpc.ckpt import CheckpointManager
@@ -82,6 +83,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     from yatt_hpc.metrics import build_metrics
     from yatt_hpc.placement import plan
     from yatt_hpc.roles.protocol import StepProtocol, check_requested
+    from yatt_hpc.runtime.inputs import check_model_dirs
     from yatt_hpc.runtime.loop import SlurmFacts, StepLoop
     from yatt_hpc.runtime.rank_stats import RankStats
     from yatt_hpc.runtime.signals import StopFlag
@@ -95,7 +97,9 @@ def run_rank(group: str, run_dir: Path) -> str:
     (run_dir / "timeline").mkdir(exist_ok=True)
     stats = RankStats(group, run_dir / "timeline" / f"rank-{world.rank:04d}-{group}.jsonl")
     protocol = StepProtocol(world.comm, world.plan, check=check_requested(os.environ))  # on in tests
-    controller = build_controller(world, cfg, run_dir, stats, protocol)
+    with stop_flag.children_shielded():  # engines start their child processes here
+        controller = build_controller(world, cfg, run_dir, stats, protocol)
+        stop_flag.reclaim()  # before the block lifts: a signal that came meanwhile reaches our handler
     metrics = build_metrics(run_dir, is_writer=world.is_leader, tensorboard=cfg.logging.tensorboard)
     console = Console(force_terminal=sys.stdout.isatty(), width=160) if world.is_leader else None
     slurm_env = SlurmEnv.from_environ(os.environ)
@@ -113,6 +117,11 @@ def run_rank(group: str, run_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from mpi4py import MPI  # initialises MPI: here, never at import (see the module docstring)
+
+    from yatt_hpc.errors import USER_ERRORS
+    from yatt_hpc.placement import GROUPS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group", required=True, choices=GROUPS)
     parser.add_argument("--run-dir", required=True, type=Path)
