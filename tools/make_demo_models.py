@@ -39,10 +39,10 @@ from yatt_hpc.demo.char_tokenizer import CharTokenizer
 from yatt_hpc.demo.task import demo_row, near_miss
 from yatt_hpc.demo.tiny_models import char_gpt2, save_char_model
 from yatt_hpc.reward.judge import GenRMJudge
-from yatt_hpc.rollout.hf_engine import HFEngine
 from yatt_hpc.reward.mixing import combine_reward, judge_agrees
 from yatt_hpc.reward.template import build_judge_prompt, verdict_text
 from yatt_hpc.reward.verifier import rule_score
+from yatt_hpc.rollout.hf_engine import HFEngine
 
 POLICY_SHAPE = {"n_embd": 64, "n_layer": 3, "n_head": 4}
 N_POSITIONS = 64

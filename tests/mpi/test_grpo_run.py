@@ -143,5 +143,5 @@ def test_bf16_run_trains_and_checkpoints_fp32_masters(tmp_path):
     shards = sorted((tmp_path / "run" / "checkpoints").glob("step-*/model-*.safetensors"))
     assert shards, sorted(p.name for p in (tmp_path / "run" / "checkpoints").rglob("*"))
     with safe_open(str(shards[0]), "pt") as f:
-        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+        dtypes = {f.get_slice(k).get_dtype() for k in f}
     assert dtypes == {"F32"}, dtypes

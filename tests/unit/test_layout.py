@@ -20,7 +20,7 @@ ALLOWED = {
     "demo": set(),
     "rollout": {"activity", "offload"},
     "train": {"activity", "batch", "config", "offload"},
-    "reward": {"offload", "demo"},  # demo: the judge loads the demo's character tokenizer (until HF tokenizers)
+    "reward": {"rollout", "data"},  # the judge runs on a rollout engine with the tokenizer data/ loads
     "data": {"config", "demo"},
 }
 

@@ -44,15 +44,17 @@ class GenRMJudge:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", *, engine: str = "hf", tp_size: int = 1,
-                        dtype: str | None = "float32", seed: int = 0, **kwargs) -> GenRMJudge:
-        """The judge in HF directory `path` (weights, config.json and its tokenizer) on an `engine`."""
+                        dtype: str | None = "float32", seed: int = 0, engine_options: dict | None = None,
+                        **kwargs) -> GenRMJudge:
+        """The judge in HF directory `path` (weights, config.json and its tokenizer) on an `engine`;
+        `engine_options` go to the engine's constructor (they override `dtype`)."""
         from transformers import AutoConfig  # imported here: transformers import is slow
 
         from yatt_hpc.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(path)
         config = AutoConfig.from_pretrained(str(path)).get_text_config()
-        opts: dict = {"dtype": dtype}
+        opts: dict = {"dtype": dtype, **(engine_options or {})}
         if engine == "hf":
             opts["max_batch_size"] = kwargs.get("batch_size", 64)
             eos = getattr(tokenizer, "eos_id", None)  # the demo's character tokenizer names its eos

@@ -33,6 +33,20 @@ def rank_device(world) -> str:
     return f"cuda:{ids[0]}"
 
 
+def engine_options(world, cfg) -> dict:
+    """Constructor options of this rank's engines beyond model, device, tp and seed.
+
+    SGLang reserves `mem_fraction_static` of the device when it starts. In colocate mode (and in a
+    dynamic split, whose pool ranks hold a policy engine and a judge) two engines start on the same
+    devices at once, so each takes half of the default 0.8; the trainer has released its memory by then.
+    """
+    opts: dict = {"dtype": cfg.model.dtype}
+    if cfg.rollout.engine == "sglang":
+        shared = (world.plan.mode == "colocate" or world.plan.dynamic_split) and cfg.reward.mode != "rule_only"
+        opts["mem_fraction_static"] = 0.4 if shared else 0.8
+    return opts
+
+
 class BaseController:
     shard: dict[str, int] = {}
     routes = None  # this step's Routes; every controller sets its own in __init__

@@ -31,7 +31,7 @@ from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.reward.judge import GenRMJudge
 from yatt_hpc.reward.mixing import combine_reward
 from yatt_hpc.reward.verifier import rule_score
-from yatt_hpc.roles.base import BaseController, rank_device
+from yatt_hpc.roles.base import BaseController, engine_options, rank_device
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.runtime.rank_stats import RankStats
@@ -52,8 +52,9 @@ class GenRMController(BaseController):
         self.judge = None
         if rc.mode != "rule_only":
             self.judge = GenRMJudge.from_pretrained(rc.genrm_path, device=rank_device(world), engine=cfg.rollout.engine,
-                                                    tp_size=world.plan.group("genrm").size("tp"), dtype=cfg.model.dtype,
-                                                    seed=cfg.train.seed, max_new_tokens=rc.verdict_max_tokens,
+                                                    tp_size=world.plan.group("genrm").size("tp"), seed=cfg.train.seed,
+                                                    engine_options=engine_options(world, cfg),
+                                                    max_new_tokens=rc.verdict_max_tokens,
                                                     temperature=rc.verdict_temperature)
             if self.colocate:
                 self.judge.release_memory()  # the trainer holds the devices first; the judge wakes for its phase

@@ -171,6 +171,7 @@ class SGLangEngine(BaseEngine):
             kwargs.update(enable_deterministic_inference=True, sampling_backend="pytorch")
         kwargs.update(engine_kwargs)
         self._engine = sglang.Engine(**kwargs)
+        self._device = torch.device("cuda", target.index or 0)
         drop_sigterm_drain(self._engine)
         self._version = 0
         self._mid_update = False
@@ -228,6 +229,10 @@ class SGLangEngine(BaseEngine):
             self._resume([_WEIGHTS])
         self._mid_update = True
         if bucket:
+            # On the engine's device the bucket travels to SGLang's scheduler as CUDA IPC handles
+            # (torch's multiprocessing reductions): device to device, no pickled host bytes.
+            bucket = [(name, t.to(self._device, non_blocking=True)) for name, t in bucket]
+            torch.cuda.synchronize(self._device)
             success, message = self._engine.update_weights_from_tensor(
                 named_tensors=bucket, load_format=None, flush_cache=final
             )
