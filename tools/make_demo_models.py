@@ -35,6 +35,7 @@ import torch
 import transformers
 from transformers import GPT2LMHeadModel
 
+from yatt_hpc.data.tokenizer import CharTokenizerAdapter
 from yatt_hpc.demo.char_tokenizer import CharTokenizer
 from yatt_hpc.demo.task import demo_row, near_miss
 from yatt_hpc.demo.tiny_models import char_gpt2, save_char_model
@@ -248,7 +249,7 @@ def main() -> None:
     print("policy:", policy_metrics, flush=True)
     pool = policy_pool(policy, tok, args.seed + 20, 1024, 4)
     judge_model = build_judge(tok, policy, pool, args)
-    judge = GenRMJudge(HFEngine(judge_model, stop_token_ids=[tok.eos_id]), tok,
+    judge = GenRMJudge(HFEngine(judge_model, stop_token_ids=[tok.eos_id]), CharTokenizerAdapter(tok),
                        max_positions=judge_model.config.n_positions)
     evals = heldout_pairs(policy, tok, args.seed + 200, args.eval_prompts)
     judge_metrics = {name: judge_agreement(judge, triples) for name, triples in evals.items()}

@@ -12,6 +12,7 @@ from yatt_hpc.ckpt.errors import DiskFullError
 from yatt_hpc.comm.world import LaunchMismatch
 from yatt_hpc.config import ConfigError
 from yatt_hpc.data.prompts import DatasetError
+from yatt_hpc.data.tokenizer import TokenizerError
 from yatt_hpc.placement import PlanError
 
 
@@ -20,4 +21,4 @@ class InputError(Exception):
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, LaunchMismatch, DatasetError, InputError,
-                                                DiskFullError)
+                                                DiskFullError, TokenizerError)

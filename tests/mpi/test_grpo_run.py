@@ -145,3 +145,21 @@ def test_bf16_run_trains_and_checkpoints_fp32_masters(tmp_path):
     with safe_open(str(shards[0]), "pt") as f:
         dtypes = {f.get_slice(k).get_dtype() for k in f}
     assert dtypes == {"F32"}, dtypes
+
+
+def test_a_transformers_tokenizer_trains_exactly_like_the_character_one(two_step_run, tmp_path):
+    """The demo policy behind an HF tokenizer with the same ids (the path every real model takes) gives
+    the very same run: it used to train at reward 0.000 because decoded responses kept their EOS."""
+    from yatt_hpc.demo.char_tokenizer import TOKENIZER_FILE, CharTokenizer, save_hf_twin
+
+    hf_policy = tmp_path / "hf_policy"
+    hf_policy.mkdir()
+    for f in (REPO / "models/demo/policy").iterdir():
+        if f.name != TOKENIZER_FILE:
+            shutil.copy(f, hf_policy / f.name)
+    save_hf_twin(CharTokenizer.load(REPO / "models/demo/policy"), hf_policy)
+    proc = yatt_run(tmp_path / "run", "--set", f"model.path={hf_policy}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got = metrics(two_step_run), metrics(tmp_path / "run")
+    assert [r["reward/mean"] for r in got] == [r["reward/mean"] for r in want]
+    assert got[0]["reward/mean"] > 0.1

@@ -77,8 +77,9 @@ def test_tokenizer_saves_and_loads_next_to_a_model(tmp_path):
     tok = CharTokenizer("xyz\n")
     assert tok.save(tmp_path).name == TOKENIZER_FILE
     loaded = load_tokenizer(tmp_path)
-    assert loaded.charset == "xyz\n" and loaded.vocab_size == tok.vocab_size == 8
-    assert loaded.encode("zy") == tok.encode("zy")
+    assert loaded.tok.charset == "xyz\n" and loaded.vocab_size == tok.vocab_size == 8
+    assert loaded.encode("zy") == loaded.encode_prompt("zy") == tok.encode("zy")
+    assert loaded.decode(tok.encode("zy") + [tok.eos_id] + tok.encode("x")) == "zy"  # cut at EOS
 
 
 def test_loading_a_directory_without_tokenizer_says_how_to_fix_it(tmp_path):

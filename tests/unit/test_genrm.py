@@ -97,7 +97,7 @@ def _policy_samples(rows: list[dict], n: int) -> list[tuple[str, str, str]]:
     """(question, response, answer) sampled from the committed policy at temperature 1.0."""
     from transformers import AutoModelForCausalLM
 
-    tok = load_tokenizer(DEMO / "policy")
+    tok = load_tokenizer(DEMO / "policy").tok  # the character tokenizer itself (pad_id, eos_id)
     policy = AutoModelForCausalLM.from_pretrained(str(DEMO / "policy")).eval()
     ids = torch.tensor([tok.encode(r["prompt"]) for r in rows for _ in range(n)])
     torch.manual_seed(0)

@@ -148,7 +148,7 @@ def build_prompt_source(data: DataConfig, tokenizer: CharTokenizer | None = None
     source = open_prompt_source(data.source, num_prompts=data.num_prompts, prompt_key=data.prompt_key,
                                 answer_key=data.answer_key)
     if tokenizer is not None:
-        check_prompt_lengths(source, tokenizer.encode, data.max_prompt_tokens)
+        check_prompt_lengths(source, tokenizer.encode_prompt, data.max_prompt_tokens)
     return PromptStream(source, data.seed)
 
 

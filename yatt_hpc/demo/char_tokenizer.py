@@ -84,3 +84,30 @@ class CharTokenizer:
             raise FileNotFoundError(f"{path} not found: the model directory has no yatt-hpc tokenizer "
                                     f"(regenerate the demo models with `python tools/make_demo_models.py`)")
         return cls.from_dict(json.loads(path.read_text(encoding="utf-8")))
+
+
+# A simple chat template for the demo's HF twin: role tags, the generation prompt opens the assistant turn.
+DEMO_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def save_hf_twin(tok: CharTokenizer, directory: str | Path, chat_template: str | None = DEMO_CHAT_TEMPLATE):
+    """Save a Hugging Face fast tokenizer with exactly `tok`'s ids (one token per character, the same
+    special tokens) into `directory`: the demo models then load through `transformers.AutoTokenizer`,
+    the path every real model takes. Returns the `PreTrainedTokenizerFast`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {name: i for i, name in enumerate(SPECIAL_TOKENS)}
+    vocab.update({c: i for c, i in tok._char_to_id.items()})
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(str(directory))
+    return fast

@@ -56,10 +56,7 @@ class GenRMJudge:
         config = AutoConfig.from_pretrained(str(path)).get_text_config()
         opts: dict = {"dtype": dtype, **(engine_options or {})}
         if engine == "hf":
-            opts["max_batch_size"] = kwargs.get("batch_size", 64)
-            eos = getattr(tokenizer, "eos_id", None)  # the demo's character tokenizer names its eos
-            if eos is not None:
-                opts["stop_token_ids"] = [eos]
+            opts.update(max_batch_size=kwargs.get("batch_size", 64), stop_token_ids=list(tokenizer.eos_ids))
         served = build_engine(engine, str(path), device=device, tp_size=tp_size, seed=seed, **opts)
         return cls(served, tokenizer, max_positions=int(config.max_position_embeddings), seed=seed, **kwargs)
 
@@ -99,10 +96,7 @@ class GenRMJudge:
         return int(mixed.generate_state(1, dtype=np.uint64)[0] % 2**63)
 
     def _decode(self, ids: np.ndarray) -> str:
-        decode_generated = getattr(self.tokenizer, "decode_generated", None)
-        if decode_generated is not None:
-            return decode_generated(ids.tolist())
-        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+        return self.tokenizer.decode(ids.tolist())
 
     def _prompt_ids(self, question: str, response: str) -> list[int] | None:
         ids = self.tokenizer.encode(build_judge_prompt(question, response))

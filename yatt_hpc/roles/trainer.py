@@ -198,7 +198,7 @@ class TrainerController(BaseController):
         """Send ceil(keep x ratio) prompt groups to the rollout ranks; returns {position: row id} sent."""
         positions, reused = self.queue.take(dispatch_count(keep, self.ratio))
         rows = [self.source.row_at(int(p)) for p in positions]
-        prompts = [np.asarray(self.tokenizer.encode(r["prompt"]), np.int32) for r in rows]
+        prompts = [np.asarray(self.tokenizer.encode_prompt(r["prompt"]), np.int32) for r in rows]
         answers = [np.frombuffer(r["answer"].encode(), np.uint8) for r in rows]
         rep = np.repeat(np.arange(len(rows)), self.n)
         batch = SampleBatch(
