@@ -1,0 +1,284 @@
+"""Every config field takes effect or is refused (STYLE.md 15): for each leaf field of `RunConfig`, the
+test that shows its effect. A field without an entry fails here; so does an entry for a field that is gone,
+or one naming a test that does not exist.
+
+    .venv/bin/python -m pytest tests/unit/test_config_coverage.py -q
+
+An entry counts only if its test sets the field (an override, a `--set`, a section built with it) or relies
+on its value, and asserts a behaviour that depends on it: not a test that merely loads a config holding the
+field. A field whose value the code passes on by hand (a keyword argument in a controller that needs MPI)
+is not shown by a test of the callee alone: such a field needs a test through the config. Fields refused
+in some values also name the validator's test in `REFUSED`. Tests of fields no other test showed are in
+tests/unit/test_config_effects.py.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import re
+import types
+import typing
+from pathlib import Path
+
+import pytest
+
+from yatt_hpc.config.schema import RunConfig, Section
+
+REPO = Path(__file__).resolve().parents[2]
+EFFECTS = "tests/unit/test_config_effects.py"
+
+EFFECT: dict[str, str] = {
+    # ---------------------------------------------------------------- model
+    "model.path": "tests/mpi/test_grpo_run.py::test_missing_model_file_is_a_clear_error",
+    "model.arch": "tests/unit/test_inputs.py::test_model_arch_must_match_config_json",
+    "model.dtype": "tests/mpi/test_grpo_run.py::test_bf16_run_trains_and_checkpoints_fp32_masters",
+    # ---------------------------------------------------------------- data (build_prompt_source takes cfg.data)
+    "data.source": "tests/unit/test_prompts.py::test_build_prompt_source_follows_the_data_config",
+    "data.prompt_key": f"{EFFECTS}::test_prompt_and_answer_keys_select_the_jsonl_fields",
+    "data.answer_key": f"{EFFECTS}::test_prompt_and_answer_keys_select_the_jsonl_fields",
+    "data.num_prompts": "tests/unit/test_prompts.py::test_build_prompt_source_follows_the_data_config",
+    "data.seed": "tests/unit/test_prompts.py::test_build_prompt_source_follows_the_data_config",
+    "data.max_prompt_tokens": "tests/unit/test_prompts.py::test_prompts_over_the_token_limit_fail_up_front_naming_the_row",
+    # ---------------------------------------------------------------- train (MegatronPolicy takes cfg.train)
+    "train.steps": "tests/mpi/test_grpo_run.py::test_metrics_are_consistent",
+    "train.seed": f"{EFFECTS}::test_train_seed_seeds_the_rollout_engine",
+    "train.prompts_per_step": "tests/mpi/test_grpo_run.py::test_metrics_are_consistent",
+    "train.micro_batch_size": f"{EFFECTS}::test_micro_batch_size_cuts_the_forward_backward_passes",
+    "train.lr": f"{EFFECTS}::test_lr_is_the_size_of_adams_first_step",
+    "train.weight_decay": f"{EFFECTS}::test_weight_decay_shrinks_parameters_the_loss_does_not_move",
+    "train.grad_clip": f"{EFFECTS}::test_grad_clip_bounds_the_gradient_the_optimizer_steps_with",
+    "train.clip_low": f"{EFFECTS}::test_clip_low_clips_ratios_below_one_for_negative_advantages",
+    "train.clip_high": f"{EFFECTS}::test_clip_high_clips_ratios_above_one_for_positive_advantages",
+    "train.kl_coef": f"{EFFECTS}::test_kl_coef_builds_the_reference_and_adds_its_kl",
+    "train.entropy_coef": f"{EFFECTS}::test_entropy_coef_is_the_weight_of_the_entropy_bonus",
+    "train.updates_per_step": f"{EFFECTS}::test_updates_per_step_is_the_number_of_optimizer_steps",
+    # train.balance, train.balance_flops_coeff: no test yet (TrainerController._build_balancer, MPI only)
+    # ---------------------------------------------------------------- rollout
+    "rollout.engine": f"{EFFECTS}::test_rollout_requests_carry_the_configured_sampling",
+    "rollout.samples_per_prompt": "tests/mpi/test_grpo_run.py::test_metrics_are_consistent",
+    "rollout.max_new_tokens": f"{EFFECTS}::test_rollout_requests_carry_the_configured_sampling",
+    "rollout.temperature": "tests/mpi/test_grpo_run.py::test_sampling_temperature_is_the_temperature_the_trainer_scores_at",
+    "rollout.top_p": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",  # only 1.0 is accepted
+    # rollout.weight_sync_bucket_mb, rollout.stream_queue, rollout.routing: no test yet (MPI only)
+    "rollout.stream_chunk": "tests/mpi/test_placement_modes.py::test_mode_runs_and_scores_every_sample_once",
+    "rollout.streaming": "tests/mpi/test_placement_modes.py::"
+                         "test_finished_groups_are_scored_while_the_long_tail_still_decodes",
+    "rollout.over_dispatch_ratio": "tests/mpi/test_overdispatch_run.py::test_over_dispatch_loses_and_repeats_no_prompt",
+    "rollout.dynamic_sampling.enabled": "tests/mpi/test_dynamic_sampling_run.py::test_waves_pad_and_update_the_ema",
+    # the next three: the exact counts follow from their defaults (1.2, 0.9, 10), which the test does not change
+    "rollout.dynamic_sampling.oversampling": "tests/mpi/test_dynamic_sampling_run.py::test_waves_pad_and_update_the_ema",
+    "rollout.dynamic_sampling.ema_decay": "tests/mpi/test_dynamic_sampling_run.py::test_waves_pad_and_update_the_ema",
+    "rollout.dynamic_sampling.ema_cap": "tests/mpi/test_dynamic_sampling_run.py::test_waves_pad_and_update_the_ema",
+    "rollout.dynamic_sampling.max_refill_waves": "tests/mpi/test_dynamic_sampling_run.py::test_waves_pad_and_update_the_ema",
+    # ---------------------------------------------------------------- reward
+    "reward.mode": f"{EFFECTS}::test_rule_only_mode_scores_without_a_judge",
+    "reward.genrm_path": "tests/mpi/test_dynamic_split.py::test_split_follows_the_load_and_survives_a_resume",
+    "reward.alpha": f"{EFFECTS}::test_reward_is_alpha_genrm_plus_beta_rule_with_the_parse_fail_score",
+    "reward.beta": f"{EFFECTS}::test_reward_is_alpha_genrm_plus_beta_rule_with_the_parse_fail_score",
+    "reward.parse_fail_score": f"{EFFECTS}::test_reward_is_alpha_genrm_plus_beta_rule_with_the_parse_fail_score",
+    "reward.verdict_max_tokens": f"{EFFECTS}::test_verdict_max_tokens_cuts_the_verdict",
+    "reward.verdict_temperature": f"{EFFECTS}::test_verdict_temperature_samples_the_verdict",
+    # ---------------------------------------------------------------- placement
+    "placement.mode": "tests/unit/test_sbatch_render.py::test_disjoint_is_a_heterogeneous_job_with_one_component_per_group",
+    "placement.trainer.nodes": "tests/unit/test_sbatch_render.py::test_shared_step_places_each_group_on_every_node_in_rank_order",
+    "placement.trainer.tasks_per_node": "tests/unit/test_plan.py::test_dp_is_derived_when_null",
+    "placement.trainer.devices_per_task": "tests/unit/test_plan.py::"
+                                          "test_colocate_gpu_every_group_counts_from_the_first_device_of_its_node",
+    "placement.trainer.cpus_per_task": f"{EFFECTS}::test_cpus_per_task_of_each_group_reach_its_component",
+    "placement.trainer.tp": "tests/unit/test_plan.py::test_dp_is_derived_when_null",
+    "placement.trainer.pp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
+    "placement.trainer.cp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
+    "placement.trainer.dp": "tests/unit/test_plan.py::test_dp_is_derived_when_null",
+    "placement.trainer.mem": f"{EFFECTS}::test_mem_of_each_group_reaches_its_component",
+    "placement.rollout.nodes": "tests/unit/test_sbatch_render.py::test_shared_step_places_each_group_on_every_node_in_rank_order",
+    "placement.rollout.tasks_per_node": "tests/unit/test_routing.py::test_every_replica_is_served_once",
+    "placement.rollout.devices_per_task": "tests/unit/test_plan.py::test_partial_gpu_genrm_takes_the_devices_after_rollout",
+    "placement.rollout.cpus_per_task": f"{EFFECTS}::test_cpus_per_task_of_each_group_reach_its_component",
+    "placement.rollout.tp": "tests/unit/test_plan.py::test_1024_gpu_disjoint_layout",
+    "placement.rollout.pp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
+    "placement.rollout.cp": f"{EFFECTS}::test_engine_group_shapes_the_planner_refuses",  # refused above 1
+    "placement.rollout.dp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # must match ranks
+    "placement.rollout.mem": f"{EFFECTS}::test_mem_of_each_group_reaches_its_component",
+    "placement.genrm.nodes": "tests/unit/test_sbatch_render.py::test_shared_step_places_each_group_on_every_node_in_rank_order",
+    "placement.genrm.tasks_per_node": "tests/unit/test_plan.py::test_1024_gpu_disjoint_layout",
+    "placement.genrm.devices_per_task": "tests/unit/test_plan.py::"
+                                        "test_colocate_gpu_every_group_counts_from_the_first_device_of_its_node",
+    "placement.genrm.cpus_per_task": f"{EFFECTS}::test_cpus_per_task_of_each_group_reach_its_component",
+    "placement.genrm.tp": "tests/unit/test_plan.py::test_1024_gpu_disjoint_layout",
+    "placement.genrm.pp": f"{EFFECTS}::test_engine_group_shapes_the_planner_refuses",  # refused above 1
+    "placement.genrm.cp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
+    "placement.genrm.dp": f"{EFFECTS}::test_engine_group_shapes_the_planner_refuses",  # must match ranks
+    "placement.genrm.mem": f"{EFFECTS}::test_mem_of_each_group_reaches_its_component",
+    "placement.dynamic_split.enabled": "tests/unit/test_split.py::"
+                                       "test_routes_of_a_split_cover_the_pool_and_send_weights_to_next_generators",
+    "placement.dynamic_split.min_replicas": f"{EFFECTS}::test_min_replicas_bounds_how_far_the_split_moves",
+    "placement.dynamic_split.hysteresis": f"{EFFECTS}::test_hysteresis_decides_whether_a_better_split_is_taken",
+    # ---------------------------------------------------------------- checkpoint
+    "checkpoint.interval": "tests/mpi/test_ckpt_faults.py::"
+                           "test_a_corrupt_latest_checkpoint_is_skipped_moved_aside_and_the_run_resumes_from_the_one_before",
+    # checkpoint.keep_last, checkpoint.async_save: no test yet (runtime/worker.py hands them to CheckpointManager)
+    "checkpoint.load_from": "tests/mpi/test_grpo_run.py::test_load_from_starts_fresh_with_another_runs_weights",
+    "checkpoint.stop_grace_s": "tests/mpi/test_stop_grace.py::"
+                               "test_signal_in_a_long_step_commits_the_last_step_within_the_grace_and_resumes_exactly",
+    # ---------------------------------------------------------------- health
+    "health.heartbeat_s": "tests/mpi/test_faults.py::test_a_stopped_rank_is_noticed_named_and_the_rerun_resumes_exactly",
+    "health.stall_timeout_s": "tests/mpi/test_faults.py::test_a_stopped_rank_is_noticed_named_and_the_rerun_resumes_exactly",
+    # ---------------------------------------------------------------- slurm
+    "slurm.job_name": "tests/unit/test_sbatch_render.py::test_rendered_script_runs_only_what_we_meant",
+    "slurm.partition": "tests/unit/test_sbatch_render.py::test_rendered_script_runs_only_what_we_meant",
+    "slurm.time": f"{EFFECTS}::test_submitit_executor_takes_max_requeues_and_the_time_limit",
+    "slurm.account": f"{EFFECTS}::test_account_and_qos_go_to_every_component",
+    "slurm.qos": f"{EFFECTS}::test_account_and_qos_go_to_every_component",
+    "slurm.signal": "tests/unit/test_sbatch_render.py::"
+                    "test_every_script_requeues_signals_logs_per_restart_and_execs_the_launcher",
+    "slurm.max_requeues": f"{EFFECTS}::test_submitit_executor_takes_max_requeues_and_the_time_limit",
+    # slurm.step_exit_timeout_s: no test yet (launch/launcher.py, inside a Slurm job)
+    "slurm.extra_flags": "tests/unit/test_sbatch_render.py::test_disjoint_is_a_heterogeneous_job_with_one_component_per_group",
+    "slurm.env": "tests/unit/test_sbatch_render.py::test_rendered_script_runs_only_what_we_meant",
+    # ---------------------------------------------------------------- logging
+    "logging.tensorboard": "tests/mpi/test_grpo_run.py::test_two_steps_write_every_tag_to_tensorboard",  # default true
+    # logging.level: read by nothing (runtime/worker.py sets every rank's log level to INFO); logging.progress: no test
+}
+
+REFUSED: dict[str, str] = {
+    "model.dtype": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",
+    "train.steps": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
+    "train.prompts_per_step": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",
+    "rollout.engine": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",
+    "rollout.top_p": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",
+    "rollout.over_dispatch_ratio": "tests/unit/test_overdispatch.py::"
+                                   "test_over_dispatch_ratio_out_of_range_names_field_and_value",
+    "rollout.routing": "tests/unit/test_overdispatch.py::test_routing_knob_lists_its_choices",
+    "placement.mode": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
+    "placement.trainer.tp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",
+    "placement.trainer.dp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",
+    "placement.trainer.devices_per_task": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",
+    "placement.trainer.mem": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
+    "placement.rollout.nodes": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",
+    "placement.rollout.tasks_per_node": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
+    "placement.rollout.tp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",
+    "placement.genrm.cpus_per_task": "tests/unit/test_split.py::test_impossible_dynamic_split_names_field_and_fix",
+    "placement.dynamic_split.min_replicas": "tests/unit/test_split.py::test_impossible_dynamic_split_names_field_and_fix",
+    "checkpoint.keep_last": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
+    "checkpoint.stop_grace_s": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",
+    "health.heartbeat_s": "tests/unit/test_health.py::test_the_timeout_must_leave_room_for_late_beats",
+    "slurm.job_name": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
+    "slurm.partition": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
+    "slurm.time": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",
+    "slurm.signal": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
+    "slurm.extra_flags": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
+    "slurm.env": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
+}
+
+# Entries whose test file names neither the field nor its leaf; each with why the test still shows it.
+UNMENTIONED: dict[str, str] = {
+    "rollout.dynamic_sampling.ema_decay": "its docstring derives the counts from 'EMA decay 0.9' and the test "
+                                          "computes `0.9 * ema + 0.1 * 10.0`",
+    "rollout.dynamic_sampling.ema_cap": "its docstring derives the counts from 'cap 10' and the test computes "
+                                        "`0.9 * ema + 0.1 * 10.0` (the expansion of a step with no valid group)",
+}
+
+
+def _sections(annotation) -> list[type[Section]]:
+    """The Section classes an annotation holds (`X`, or `X | None`)."""
+    if isinstance(annotation, type):
+        return [annotation] if issubclass(annotation, Section) else []
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, Section)]
+    return []
+
+
+def schema_fields(model: type[Section] = RunConfig, prefix: str = "") -> dict[str, object]:
+    """Dotted name -> FieldInfo of every leaf field (dict- and list-valued fields are leaves)."""
+    out: dict[str, object] = {}
+    for name, info in model.model_fields.items():
+        nested = _sections(info.annotation)
+        if nested:
+            assert len(nested) == 1, f"{prefix}{name}: a field of several section types cannot be walked"
+            out.update(schema_fields(nested[0], f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = info
+    return out
+
+
+FIELDS = schema_fields()
+
+
+@functools.cache
+def _test_functions(path: str) -> set[str]:
+    """`name` and `Class::name` of every test function in a file (module level or in a class)."""
+    file = REPO / path
+    if not file.is_file():
+        return set()
+    found: set[str] = set()
+    for node in ast.parse(file.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found |= {item.name, f"{node.name}::{item.name}"}
+    return found
+
+
+def _missing_test(node_id: str) -> str | None:
+    path, sep, name = node_id.partition("::")
+    if not sep or not name:
+        return f"{node_id!r} is not of the form tests/<dir>/test_x.py::test_name"
+    if not (REPO / path).is_file():
+        return f"{node_id}: no file {path}"
+    if name not in _test_functions(path):
+        return f"{node_id}: {path} has no test function {name}"
+    return None
+
+
+def test_the_walk_finds_every_section_and_keeps_mappings_whole():
+    assert {"placement.trainer.tp", "placement.rollout.tp", "placement.genrm.tp",
+            "rollout.dynamic_sampling.oversampling", "placement.dynamic_split.hysteresis"} <= FIELDS.keys()
+    assert {"slurm.env", "slurm.extra_flags"} <= FIELDS.keys()
+    assert not any(name.startswith(("slurm.env.", "slurm.extra_flags.")) for name in FIELDS)
+    assert not ({"placement.trainer", "rollout.dynamic_sampling", "model"} & FIELDS.keys()), "sections are not leaves"
+    assert len(FIELDS) > 90
+
+
+def test_every_config_field_names_the_test_that_shows_its_effect():
+    missing = sorted(FIELDS.keys() - EFFECT.keys())
+    problems = [f"  {name}: no test shows its effect" for name in missing]
+    problems += [f"  {name}: not a field of RunConfig any more; remove its EFFECT entry"
+                 for name in sorted(EFFECT.keys() - FIELDS.keys())]
+    problems += [f"  {name}: REFUSED names a field RunConfig does not have" for name in sorted(REFUSED.keys() - FIELDS.keys())]
+    problems += [f"  {name}: UNMENTIONED exempts a field EFFECT does not map"
+                 for name in sorted(UNMENTIONED.keys() - EFFECT.keys())]
+    assert not problems, (
+        f"{len(missing)} of {len(FIELDS)} config fields have no test that shows their effect:\n" + "\n".join(problems)
+        + f"\nFor each: write a test that sets the field and asserts what it changes (or that a validator refuses "
+        f"it, naming the field and the fix), and add it to EFFECT in {Path(__file__).relative_to(REPO)}.")
+
+
+@pytest.mark.parametrize("registry", [pytest.param(EFFECT, id="EFFECT"), pytest.param(REFUSED, id="REFUSED")])
+def test_every_named_test_exists(registry):
+    problems = [f"  {field}: {why}" for field, node_id in sorted(registry.items()) if (why := _missing_test(node_id))]
+    assert not problems, "registry entries naming no test:\n" + "\n".join(problems)
+
+
+def _mentions(text: str, field: str) -> bool:
+    info = FIELDS[field]
+    section, _, leaf = field.rpartition(".")
+    names = [field, leaf] + ([f"{section}.{info.alias}" if section else info.alias, info.alias] if info.alias else [])
+    return any(re.search(rf"(?<![\w]){re.escape(name)}(?![\w])", text) for name in names)
+
+
+@pytest.mark.parametrize("registry", [pytest.param(EFFECT, id="EFFECT"), pytest.param(REFUSED, id="REFUSED")])
+def test_each_named_test_file_mentions_its_field(registry):
+    problems = []
+    for field, node_id in sorted(registry.items()):
+        path = REPO / node_id.partition("::")[0]
+        if field in FIELDS and path.is_file() and not _mentions(path.read_text(), field):
+            if registry is EFFECT and field in UNMENTIONED:
+                continue
+            problems.append(f"  {field}: {path.relative_to(REPO)} names neither {field} nor its leaf")
+        elif registry is EFFECT and field in UNMENTIONED and path.is_file():
+            problems.append(f"  {field}: {path.relative_to(REPO)} names it now; drop its UNMENTIONED exemption")
+    assert not problems, ("an entry must point at a test that sets the field or relies on its value; if it does "
+                          "without naming it, exempt it in UNMENTIONED with the reason:\n" + "\n".join(problems))
+    assert all(why.strip() for why in UNMENTIONED.values())
