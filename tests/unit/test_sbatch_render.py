@@ -81,7 +81,6 @@ def test_percent_in_run_dir_is_escaped_for_slurm_filename_patterns():
     pytest.param("slurm.extra_flags.trainer=['constraint=x']", "slurm.extra_flags.trainer", id="flag-without-dash"),
     pytest.param("slurm.env={'A B': x}", "slurm.env", id="bad-env-name"),
     pytest.param("slurm.signal=USR2", "slurm.signal", id="signal-without-time"),
-    pytest.param("slurm.time=soon", "slurm.time", id="bad-time"),
     pytest.param("placement.trainer.mem=lots", "placement.trainer.mem", id="bad-mem"),
 ])
 def test_bad_values_are_rejected_naming_the_field(override, field):

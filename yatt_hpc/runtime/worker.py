@@ -92,6 +92,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     quiet_libraries()
     config_yaml = (run_dir / "config.yaml").read_text()
     cfg = load_config(run_dir / "config.yaml")
+    logging.getLogger().setLevel(cfg.logging.level)  # INFO until the config is read
     world = build_world(plan(cfg), MPI.COMM_WORLD, expected_group=group)
     check_model_dirs(cfg)
     (run_dir / "timeline").mkdir(exist_ok=True)
