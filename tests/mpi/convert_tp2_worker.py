@@ -22,17 +22,21 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from yatt_hpc.train import convert
 from yatt_hpc.train import megatron_model as mm
+from yatt_hpc.train.hf_arch import describe_hf_config
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
 _GQA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
-# name -> (HF class, config). Vocab 61 makes Megatron pad the vocab at TP=2.
+# name -> (HF class, config). Vocab 61 makes Megatron pad the vocab at TP=2. Qwen2.5 is model_type
+# qwen2 (GQA, tied like Qwen2.5-0.5B); Qwen3's head_dim is its own setting (32 here, not 64 / 4).
 TINY_CASES = {
     "gpt2-tied": (GPT2LMHeadModel, lambda: GPT2Config(
         n_embd=64, n_layer=2, n_head=4, vocab_size=64, n_positions=64, bos_token_id=0, eos_token_id=0)),
@@ -40,8 +44,14 @@ TINY_CASES = {
         vocab_size=61, tie_word_embeddings=False, **_GQA)),
     "llama3-rope-scaling": (LlamaForCausalLM, lambda: LlamaConfig(
         vocab_size=64, **{**_GQA, "max_position_embeddings": 16384}, rope_parameters=_LLAMA3_ROPE)),
+    "llama-linear-rope": (LlamaForCausalLM, lambda: LlamaConfig(
+        vocab_size=64, **_GQA, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4})),
     "qwen2-gqa-qkv-bias-tied": (Qwen2ForCausalLM, lambda: Qwen2Config(
         vocab_size=64, tie_word_embeddings=True, **_GQA)),
+    "qwen3-qk-norm-head-dim32-tied": (Qwen3ForCausalLM, lambda: Qwen3Config(
+        vocab_size=64, tie_word_embeddings=True, head_dim=32, **_GQA)),
+    "qwen3-qk-norm-untied-vocab61": (Qwen3ForCausalLM, lambda: Qwen3Config(
+        vocab_size=61, tie_word_embeddings=False, head_dim=16, **_GQA)),
 }
 
 
@@ -68,6 +78,39 @@ def _free_port() -> int:
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
+
+
+def param_grads_vs_hf(hf: torch.nn.Module, model: torch.nn.Module, input_ids: torch.Tensor, tp_group) -> float:
+    """Backpropagate the same weighted logit sum through HF and the Megatron shard; return the largest
+    gradient difference over every HF parameter, relative to the largest HF gradient.
+
+    This rank's own copy of each replicated gradient is compared, so a replicated weight whose
+    gradient is only a partial sum on some rank (Qwen3's q/k norms under TP) fails here.
+    """
+    tp_rank, tp_size = torch.distributed.get_rank(tp_group), torch.distributed.get_world_size(tp_group)
+    vocab = hf.config.vocab_size
+    local = mm.forward_logits(model, input_ids)
+    width = local.shape[-1]
+    weights = torch.randn(*input_ids.shape, width * tp_size, generator=torch.Generator().manual_seed(2))
+    weights[..., vocab:] = 0.0
+    (local * weights[..., tp_rank * width:(tp_rank + 1) * width]).sum().backward()
+    (hf(input_ids).logits * weights[..., :vocab]).sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    shards = [{} for _ in range(tp_size)]
+    for name, grad in grads.items():
+        parts = [torch.empty_like(grad) for _ in range(tp_size)]
+        torch.distributed.all_gather(parts, grad.contiguous(), group=tp_group)
+        for rank, part in enumerate(parts):
+            shards[rank][name] = part
+    arch = describe_hf_config(hf.config, tp_size)
+    replicated = [r.megatron for unit in convert.weight_rules(arch) for r in unit
+                  if r.split is convert.Split.REPLICATED]
+    shards[0].update({name: grads[name] for name in replicated})  # megatron_to_hf reads shard 0's
+    merged = convert.megatron_to_hf(shards, hf.config, emit_tied_lm_head=False)
+    expected = dict(hf.named_parameters())
+    assert sorted(merged) == sorted(expected)
+    scale = max(p.grad.abs().max().item() for p in expected.values())
+    return max(_max_diff(merged[n], p.grad) for n, p in expected.items()) / scale
 
 
 def check_case(case: str, tp_group) -> dict:
@@ -101,6 +144,7 @@ def check_case(case: str, tp_group) -> dict:
     hf_logp = torch.log_softmax(ref_logits[:, :-1], -1).gather(-1, targets[..., None])[..., 0]
 
     gathered = convert.gather_hf_state_dict(model, config, tp_group)
+    grad_diff = param_grads_vs_hf(hf, model, input_ids, tp_group)
     return {
         "logits_max_abs_diff_vs_hf": _max_diff(full, ref_logits),
         "logp_tp_vs_tp1_max_abs_diff": _max_diff(logp, ref_logp),
@@ -108,6 +152,7 @@ def check_case(case: str, tp_group) -> dict:
         "logp_vs_hf_log_softmax_max_abs_diff": _max_diff(logp, hf_logp),
         "grad_tp_vs_tp1_max_abs_diff": _max_diff(
             leaf.grad, ref_grad[..., tp_rank * width:(tp_rank + 1) * width]),
+        "param_grads_vs_hf_max_rel_diff": grad_diff,
         "gathered_keys_equal": sorted(gathered) == sorted(hf_sd),
         "gathered_bitwise_equal": all(torch.equal(gathered[k], hf_sd[k]) for k in hf_sd),
         "local_vocab_width": width,

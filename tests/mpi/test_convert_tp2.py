@@ -49,6 +49,12 @@ def test_tp2_logprobs_entropy_and_gradients_equal_tp1_values(tp2_reports, case):
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_tp2_parameter_gradients_on_every_rank_equal_hf_gradients(tp2_reports, case):
+    for report in tp2_reports:
+        assert report["cases"][case]["param_grads_vs_hf_max_rel_diff"] <= TOLERANCE
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_tp2_shards_gathered_to_hf_equal_the_original_state_dict(tp2_reports, case):
     for report in tp2_reports:
         assert report["cases"][case]["gathered_keys_equal"]
@@ -57,5 +63,6 @@ def test_tp2_shards_gathered_to_hf_equal_the_original_state_dict(tp2_reports, ca
 
 def test_each_tp2_rank_holds_half_of_the_padded_vocab(tp2_reports):
     widths = {case: {r["cases"][case]["local_vocab_width"] for r in tp2_reports} for case in TINY_CASES}
-    assert widths == {"gpt2-tied": {32}, "llama-gqa-untied-vocab61": {31},
-                      "llama3-rope-scaling": {32}, "qwen2-gqa-qkv-bias-tied": {32}}
+    assert widths == {"gpt2-tied": {32}, "llama-gqa-untied-vocab61": {31}, "llama3-rope-scaling": {32},
+                      "llama-linear-rope": {32}, "qwen2-gqa-qkv-bias-tied": {32},
+                      "qwen3-qk-norm-head-dim32-tied": {32}, "qwen3-qk-norm-untied-vocab61": {31}}

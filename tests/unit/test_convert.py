@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.mpi.convert_tp2_worker import TINY_CASES, tiny_hf_model
+from tests.mpi.convert_tp2_worker import TINY_CASES, param_grads_vs_hf, tiny_hf_model
 from yatt_hpc.train import convert
 from yatt_hpc.train.hf_arch import describe_hf_config
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
@@ -37,6 +37,23 @@ def test_megatron_logits_equal_hf_logits(one_rank_world, case):
         got = mm.forward_logits(_megatron_twin(hf), input_ids)
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_megatron_parameter_gradients_equal_hf_gradients(one_rank_world, case):
+    hf = tiny_hf_model(case)
+    input_ids = torch.randint(0, hf.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(9))
+    assert param_grads_vs_hf(hf, _megatron_twin(hf), input_ids, one_rank_world) <= TOLERANCE
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "rope" in c.values[0]])
+def test_megatron_rope_frequencies_equal_hf_scaled_frequencies(one_rank_world, case):
+    hf = tiny_hf_model(case)
+    rope = _megatron_twin(hf).rotary_pos_emb
+    positions = torch.arange(64, dtype=torch.float32)
+    ours = rope.get_freqs_non_repeated(64)
+    theirs = torch.outer(positions, hf.model.rotary_emb.inv_freq)
+    assert (ours - theirs).abs().max().item() <= 1e-4 * theirs.abs().max().item()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -79,6 +96,16 @@ def test_vocab_is_zero_padded_to_split_evenly_across_tp_ranks():
     assert torch.equal(embedding[61:], torch.zeros(1, 64))
 
 
+def test_qwen3_qk_norms_map_to_megatron_qk_layernorms_replicated_on_every_tp_rank():
+    hf = tiny_hf_model("qwen3-qk-norm-head-dim32-tied")
+    sd = hf.state_dict()
+    for rank in range(2):
+        shard = convert.hf_to_megatron(sd, hf.config, rank, 2)
+        for x in "qk":
+            got = shard[f"decoder.layers.1.self_attention.{x}_layernorm.weight"]
+            assert got.shape == (32,) and torch.equal(got, sd[f"model.layers.1.self_attn.{x}_norm.weight"])
+
+
 def test_qkv_rows_are_grouped_per_kv_head_and_split_by_group_across_tp():
     hf = tiny_hf_model("qwen2-gqa-qkv-bias-tied")  # 4 heads, 2 KV groups, head_dim 16
     attn = "model.layers.0.self_attn."
@@ -116,18 +143,70 @@ def test_a_tied_checkpoint_may_omit_lm_head_but_an_untied_one_may_not():
         convert.hf_to_megatron(without_head, untied.config, 0, 1)
 
 
-@pytest.mark.parametrize("overrides, error", [
-    pytest.param({"attention_bias": True}, NotImplementedError, id="llama-attention-bias"),
-    pytest.param({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-                 NotImplementedError, id="yarn-rope"),
-    pytest.param({"num_key_value_heads": 1}, ValueError, id="kv-heads-not-divisible-by-tp"),
-])
-def test_configs_megatron_cannot_express_fail_with_the_reason(overrides, error):
-    config = tiny_hf_model("llama-gqa-untied-vocab61").config
+def _config(case: str, **overrides):
+    config = tiny_hf_model(case).config
     for key, value in overrides.items():
         setattr(config, key, value)
-    with pytest.raises(error):
-        describe_hf_config(config, tp_size=2)
+    return config
+
+
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192, "rope_theta": 5e5}
+
+
+@pytest.mark.parametrize("case, overrides, error, named", [
+    pytest.param("llama-gqa-untied-vocab61", {"attention_bias": True}, NotImplementedError,
+                 "attention_bias=True", id="llama-attention-bias"),
+    pytest.param("llama-gqa-untied-vocab61", {"mlp_bias": True}, NotImplementedError, "mlp_bias=True",
+                 id="llama-mlp-bias"),
+    pytest.param("qwen3-qk-norm-untied-vocab61", {"attention_bias": True}, NotImplementedError,
+                 "attention_bias=True", id="qwen3-attention-bias"),
+    pytest.param("qwen2-gqa-qkv-bias-tied", {"use_sliding_window": True}, NotImplementedError,
+                 "use_sliding_window=True", id="qwen2-sliding-window"),
+    pytest.param("qwen3-qk-norm-untied-vocab61", {"layer_types": ["full_attention", "sliding_attention"]},
+                 NotImplementedError, r"layer_types=\['sliding_attention'\]", id="qwen3-sliding-layers"),
+    pytest.param("llama-gqa-untied-vocab61", {"hidden_act": "gelu"}, NotImplementedError,
+                 "hidden_act='gelu'", id="gelu-mlp"),
+    pytest.param("qwen2-gqa-qkv-bias-tied", {"attention_dropout": 0.1}, NotImplementedError,
+                 "attention_dropout=0.1", id="attention-dropout"),
+    pytest.param("llama-gqa-untied-vocab61",
+                 {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+                 NotImplementedError, "rope_type='yarn'", id="yarn-rope"),
+    pytest.param("llama-gqa-untied-vocab61",
+                 {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+                 NotImplementedError, "rope_type='dynamic'", id="dynamic-rope"),
+    pytest.param("llama3-rope-scaling", {"rope_parameters": {**_LLAMA3, "low_freq_factor": 2.0}},
+                 NotImplementedError, "low_freq_factor=2.0", id="llama3-other-low-freq-factor"),
+    pytest.param("llama3-rope-scaling",
+                 {"rope_parameters": {**_LLAMA3, "original_max_position_embeddings": 4096}},
+                 NotImplementedError, "original_max_position_embeddings=4096", id="llama3-other-context"),
+    pytest.param("llama-gqa-untied-vocab61",
+                 {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+                 NotImplementedError, "partial_rotary_factor=0.5", id="partial-rotary"),
+    pytest.param("llama-linear-rope",
+                 {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "mscale": 1.0}},
+                 NotImplementedError, "mscale", id="rope-key-megatron-does-not-read"),
+    pytest.param("llama-gqa-untied-vocab61", {"num_key_value_heads": 1}, ValueError,
+                 "num_kv_heads=1", id="kv-heads-not-divisible-by-tp"),
+    pytest.param("qwen3-qk-norm-untied-vocab61", {"model_type": "qwen3_moe"}, ValueError,
+                 "model_type='qwen3_moe'", id="unsupported-model-type"),
+])
+def test_configs_megatron_cannot_express_fail_naming_the_field_and_value(case, overrides, error, named):
+    with pytest.raises(error, match=named):
+        describe_hf_config(_config(case, **overrides), tp_size=2)
+
+
+@pytest.mark.parametrize("case, overrides", [
+    pytest.param("llama3-rope-scaling", {}, id="llama3-rope"),
+    pytest.param("llama-linear-rope", {}, id="linear-rope"),
+    pytest.param("qwen2-gqa-qkv-bias-tied", {"use_sliding_window": False, "sliding_window": 4096},
+                 id="qwen2.5-sliding-window-off"),
+    pytest.param("llama-gqa-untied-vocab61",
+                 {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}},
+                 id="full-rotary-spelled-out"),
+])
+def test_configs_of_the_supported_models_are_accepted(case, overrides):
+    describe_hf_config(_config(case, **overrides), tp_size=2)
 
 
 # ---------------------------------------------------------------------------------------- log-probs

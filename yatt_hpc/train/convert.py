@@ -14,7 +14,8 @@ TP group explicitly. Layout facts, checked against megatron-core 0.16 ``SelfAtte
 * ``linear_fc1`` of a SwiGLU MLP holds ``[gate_r; up_r]`` per rank: the concatenated shards are
   NOT the TP=1 layout, so gate/up are split per shard.
 * Row-parallel weights (``linear_proj``, ``linear_fc2``) split the input dim; their biases and all
-  norms are replicated. Vocab rows are zero-padded to a multiple of ``tp_size``, then split.
+  norms are replicated, Qwen3's per-head ``q_norm``/``k_norm`` (``q_layernorm``/``k_layernorm``,
+  ``head_dim`` wide) too. Vocab rows are zero-padded to a multiple of ``tp_size``, then split.
 * GPT-2 stores linears as ``Conv1D`` ([in, out]); Megatron as [out, in].
 """
 from __future__ import annotations
@@ -110,6 +111,9 @@ def _llama_layer_rules(arch: HFArch, i: int) -> list[Rule]:
     ]
     if arch.qkv_bias:
         rules.append(Rule(f"{m}self_attention.linear_qkv.bias", qkv("bias"), Split.QKV))
+    if arch.qk_norm:
+        rules += [Rule(f"{m}self_attention.{x}_layernorm.weight", (f"{attn}{x}_norm.weight",),
+                       Split.REPLICATED) for x in "qk"]
     return rules + [
         Rule(f"{m}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), Split.ROW),
         Rule(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",),

@@ -6,14 +6,19 @@
 Both the model builder (``megatron_model.py``) and the weight converter (``convert.py``) read this
 description, so the two can never disagree about head counts, biases, tying or vocab padding. It
 imports neither torch nor megatron: it is plain arithmetic on the config.
+
+Maps: ``gpt2``; ``llama`` (GQA, Llama-3 ``llama3`` and ``linear`` RoPE scaling); ``qwen2`` (Qwen2 and
+Qwen2.5: fixed Q/K/V biases); ``qwen3`` (per-head q/k RMSNorm, ``head_dim`` independent of
+``hidden_size``). A setting the Megatron model would compute differently (sliding windows, other RoPE
+types, other bias layouts, attention dropout) raises, naming the config.json field and its value.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Literal
 
-Family = Literal["gpt2", "llama", "qwen2"]
-SUPPORTED_MODEL_TYPES: tuple[Family, ...] = ("gpt2", "llama", "qwen2")
+Family = Literal["gpt2", "llama", "qwen2", "qwen3"]
+SUPPORTED_MODEL_TYPES: tuple[Family, ...] = ("gpt2", "llama", "qwen2", "qwen3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +47,14 @@ class HFArch:
     """Biases on every linear layer (GPT-2)."""
     qkv_bias: bool
     """Biases on the Q/K/V projections only (Qwen2), or on them as part of ``linear_bias``."""
+    qk_norm: bool
+    """Per-head RMSNorm (weights of ``head_dim``) on queries and keys before RoPE (Qwen3)."""
     rope_theta: float | None
     """None for learned absolute positions (GPT-2)."""
     rope_scaling_factor: float | None
     """Llama-3 style frequency scaling factor, None when the config asks for plain RoPE."""
+    rope_interpolation_factor: float | None
+    """``linear`` RoPE scaling: positions are divided by this factor; None for none."""
 
     @property
     def gated_mlp(self) -> bool:
@@ -95,23 +104,17 @@ def _describe_gpt2(c: Any, tp_size: int) -> HFArch:
         activation=c.activation_function,
         linear_bias=True,
         qkv_bias=True,
+        qk_norm=False,
         rope_theta=None,
         rope_scaling_factor=None,
+        rope_interpolation_factor=None,
     )
 
 
 def _describe_rope_family(c: Any, tp_size: int) -> HFArch:
     family: Family = c.model_type
-    if c.hidden_act != "silu":
-        raise NotImplementedError(f"{family}: hidden_act={c.hidden_act!r}; only 'silu' (SwiGLU) maps")
-    if getattr(c, "pretraining_tp", 1) != 1:
-        raise NotImplementedError(f"{family}: pretraining_tp={c.pretraining_tp}; only 1 maps")
-    if getattr(c, "use_sliding_window", False):
-        raise NotImplementedError(f"{family}: use_sliding_window=True has no Megatron local-spec twin")
-    if family == "llama" and (c.attention_bias or c.mlp_bias):
-        # Megatron's add_bias_linear covers o_proj and the MLP together; Llama's flags split them.
-        raise NotImplementedError("llama: attention_bias/mlp_bias must both be False")
-    theta, scaling = _rope_parameters(c)
+    _refuse_unmapped_options(c, family)
+    theta, scaling, interpolation = _rope_parameters(c)
     heads = c.num_attention_heads
     return HFArch(
         family=family,
@@ -129,27 +132,74 @@ def _describe_rope_family(c: Any, tp_size: int) -> HFArch:
         activation=c.hidden_act,
         linear_bias=False,
         qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
         rope_theta=theta,
         rope_scaling_factor=scaling,
+        rope_interpolation_factor=interpolation,
     )
 
 
-def _rope_parameters(c: Any) -> tuple[float, float | None]:
-    """transformers 5 keeps RoPE settings in ``rope_parameters``; 4.x in ``rope_theta``/``rope_scaling``."""
+def _refuse_unmapped_options(c: Any, family: str) -> None:
+    """Raise for config.json settings the Megatron local-spec model would silently compute differently."""
+    def refuse(field: str, value: Any, why: str) -> None:
+        raise NotImplementedError(f"config.json {field}={value!r} ({family}) cannot be converted: {why}")
+
+    if c.hidden_act != "silu":
+        refuse("hidden_act", c.hidden_act, "only 'silu' (SwiGLU) maps to Megatron's gated MLP")
+    if getattr(c, "pretraining_tp", 1) != 1:
+        refuse("pretraining_tp", c.pretraining_tp, "only 1 maps")
+    if getattr(c, "use_sliding_window", False):
+        refuse("use_sliding_window", True, "Megatron's local attention has no sliding window; "
+               "use a checkpoint with use_sliding_window=false")
+    sliding = sorted({t for t in getattr(c, "layer_types", None) or () if t != "full_attention"})
+    if sliding:
+        refuse("layer_types", sliding, "only 'full_attention' layers map")
+    if getattr(c, "attention_dropout", 0.0):
+        refuse("attention_dropout", c.attention_dropout, "the Megatron model runs without dropout; set 0.0")
+    # Megatron has one flag for Q/K/V biases and one for o_proj + the whole MLP; Llama's
+    # attention_bias covers Q/K/V/o_proj and mlp_bias the MLP, so no combination lines up.
+    for field in ("attention_bias", "mlp_bias"):
+        if getattr(c, field, False):
+            refuse(field, True, "only attention_bias=false and mlp_bias=false map (Qwen2's fixed Q/K/V "
+                   "biases do)")
+
+
+# Megatron's RotaryEmbedding._apply_scaling takes only `factor` from GPTModel; the other Llama-3
+# constants are fixed at Llama-3.1's values, so a config with different ones is refused.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_ROPE_KEYS = {"default": set(), "linear": {"factor"}, "llama3": {"factor", *_LLAMA3_FIXED}}
+
+
+def _rope_parameters(c: Any) -> tuple[float, float | None, float | None]:
+    """(theta, llama3 factor, linear factor) from ``rope_parameters`` (transformers 5; config.json
+    files of 4.x spell it ``rope_theta`` + ``rope_scaling``, which transformers 5 folds in)."""
     params = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     theta = float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    field = "rope_parameters (rope_scaling in transformers 4 config.json files)"
+    if rope_type not in _ROPE_KEYS:
+        raise NotImplementedError(
+            f"config.json {field}.rope_type={rope_type!r} has no twin in Megatron's RotaryEmbedding; "
+            f"supported: {', '.join(_ROPE_KEYS)} (llama3 with {_LLAMA3_FIXED})")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise NotImplementedError(f"config.json {field}.partial_rotary_factor="
+                                  f"{params['partial_rotary_factor']}: only 1.0 (full rotary) maps")
+    unknown = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+                     - _ROPE_KEYS[rope_type])
+    if unknown:
+        raise NotImplementedError(f"config.json {field} has {unknown}, which rope_type={rope_type!r} "
+                                  "in Megatron does not read")
     if rope_type == "default":
-        return theta, None
-    # Megatron hard-codes Llama-3.1's low/high frequency factors and 8192 original positions.
-    llama3_fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192}
-    if rope_type == "llama3" and all(float(params.get(k, -1)) == v for k, v in llama3_fixed.items()):
-        return theta, float(params["factor"])
-    raise NotImplementedError(
-        f"rope type {rope_type!r} with {params} is not expressible in Megatron's RotaryEmbedding; "
-        f"supported: 'default', or 'llama3' with {llama3_fixed}"
-    )
+        return theta, None, None
+    factor = float(params["factor"])
+    if rope_type == "linear":
+        return theta, None, factor
+    for key, value in _LLAMA3_FIXED.items():
+        if float(params.get(key, -1)) != value:
+            raise NotImplementedError(
+                f"config.json {field}.{key}={params.get(key)!r}: Megatron's llama3 RoPE scaling is "
+                f"fixed at {_LLAMA3_FIXED}")
+    return theta, factor, None
 
 
 def _check_tp_divisibility(arch: HFArch, tp_size: int) -> None:

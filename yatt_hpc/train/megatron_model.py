@@ -7,9 +7,10 @@
     logits = mm.forward_logits(model, input_ids)          # [B, T, padded_vocab / tp] (vocab-parallel)
 
 Two block styles: GPT-2 (learned positions, LayerNorm with bias, biased linears, HF's exact GELU
-variant, tied embeddings) and Llama/Qwen2 (RoPE, RMSNorm, SwiGLU, GQA, Qwen2's QKV bias). Layers
-come from ``get_gpt_layer_local_spec()`` (plain torch, no Transformer Engine), so the same model
-runs on CPU with gloo (see ``cpu_compat``) and on GPU with NCCL.
+variant, tied embeddings) and Llama/Qwen2/Qwen3 (RoPE with Llama-3 or linear scaling, RMSNorm,
+SwiGLU, GQA, Qwen2's QKV bias, Qwen3's per-head q/k RMSNorm). Layers come from
+``get_gpt_layer_local_spec()`` (plain torch, no Transformer Engine), so the same model runs on CPU
+with gloo (see ``cpu_compat``) and on GPU with NCCL.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers.activations import ACT2FN
 
@@ -104,6 +106,7 @@ def build_transformer_config(
         layernorm_epsilon=arch.norm_eps,
         add_bias_linear=arch.linear_bias,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         gated_linear_unit=arch.gated_mlp,
         # ACT2FN gives HF's exact function (gelu_new is the tanh approximation, written HF's way).
         activation_func=F.silu if arch.gated_mlp else ACT2FN[arch.activation],
@@ -139,7 +142,7 @@ def build_gpt_model(
     rope = arch.rope_theta is not None
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=config.normalization),
+        transformer_layer_spec=_layer_spec(arch, config),
         vocab_size=arch.padded_vocab_size,
         max_sequence_length=arch.max_positions,
         parallel_output=parallel_output,
@@ -148,6 +151,7 @@ def build_gpt_model(
         rotary_base=int(arch.rope_theta) if rope else 10000,
         rope_scaling=arch.rope_scaling_factor is not None,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        seq_len_interpolation_factor=arch.rope_interpolation_factor,
     )
     cpu_compat.make_rope_cpu_safe(model)
     if params_dtype != torch.float32:
@@ -157,6 +161,32 @@ def build_gpt_model(
     if not cpu_compat.is_cpu_runtime():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _layer_spec(arch: HFArch, config: TransformerConfig) -> ModuleSpec:
+    spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=arch.qk_norm)
+    if arch.qk_norm:
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
+    return spec
+
+
+class HeadRMSNorm(torch.nn.RMSNorm):
+    """Qwen3's per-head q/k RMSNorm, built by the local spec as ``q_layernorm``/``k_layernorm``.
+
+    Its weight is replicated over TP but each rank normalises different heads, so its gradient is
+    a sum over the TP group. Megatron sums it in ``finalize_model_grads``, which our trainer does not
+    run; here the weight passes through ``copy_to_tensor_model_parallel_region`` (identity forward,
+    all-reduce backward), so every TP rank holds the full gradient after ``backward``.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(hidden_size, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = tensor_parallel.copy_to_tensor_model_parallel_region(
+            self.weight, group=parallel_state.get_tensor_model_parallel_group())
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
 def load_megatron_shard(model: GPTModel, shard: dict[str, torch.Tensor]) -> None:
