@@ -4,7 +4,16 @@ import itertools
 import numpy as np
 import pytest
 
-from yatt_hpc.sched.balance import contiguous_split, imbalance, karmarkar_karp, sorted_stride_split, workload
+from tests.conftest import REPO
+from yatt_hpc.config import load_config
+from yatt_hpc.sched.balance import (
+    balance_coeff,
+    contiguous_split,
+    imbalance,
+    karmarkar_karp,
+    sorted_stride_split,
+    workload,
+)
 
 
 def brute_force_best_max(weights, k):
@@ -57,3 +66,19 @@ def test_kk_edge_cases():
 def test_workload_proxy():
     np.testing.assert_allclose(workload(np.array([2.0, 3.0]), a=10), [24.0, 39.0])
     np.testing.assert_allclose(workload(np.array([2.0, 3.0]), a=None), [2.0, 3.0])
+
+
+def test_balance_and_balance_flops_coeff_choose_the_workload_groups_are_split_by():
+    """The trainer balances by `balance_coeff(cfg.train, hidden)`: `train.balance=tokens` evens out
+    tokens, `flops` a*L + L^2 with a = `train.balance_flops_coeff` (null: 6 x hidden, where the
+    linear term dominates and tokens decide); a small coefficient makes L^2 decide instead."""
+    lengths = np.array([13, 10, 6, 6, 2, 1])  # one group each
+
+    def split(*overrides):
+        a = balance_coeff(load_config(REPO / "configs/demo_cpu.yaml", list(overrides)).train, hidden_size=32)
+        return a, karmarkar_karp(workload(lengths, a), 2)
+
+    assert split("train.balance=tokens") == (None, [[0, 3], [1, 2, 4, 5]])        # 19 | 19 tokens
+    assert split("train.balance=flops") == (192.0, [[0, 3], [1, 2, 4, 5]])        # balance_flops_coeff null
+    assert split("train.balance=flops", "train.balance_flops_coeff=0.001") == (0.001, [[0, 4], [1, 2, 3, 5]])
+    assert imbalance(lengths**2, [[0, 4], [1, 2, 3, 5]]) == 1.0                   # 173 | 173 in L^2

@@ -69,3 +69,50 @@ def test_the_step_code_and_failure_come_from_the_lowest_failing_rank(tmp_path):
     p = plan(load_config(REPO / "configs/demo_cpu.yaml"))
     assert record_failure(records, p).startswith("rollout (world rank 2) on ")  # written before rank 3's
     assert record_failure(records, p).endswith("exit code 7")
+
+
+class _Clock:
+    """Stands for the launcher's `time.monotonic`: time passes only while srun is polled."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _SrunThatNeverReturns:
+    """A `Popen` whose every timed wait times out (advancing the clock by the timeout) until it is killed."""
+
+    def __init__(self, clock: _Clock) -> None:
+        self.clock, self.killed_at = clock, None
+
+    def wait(self, timeout=None):
+        if self.killed_at is not None:
+            return -9
+        self.clock.now += timeout
+        raise subprocess.TimeoutExpired("srun", timeout)
+
+    def kill(self) -> None:
+        self.killed_at = self.clock.now
+
+
+@pytest.mark.parametrize("timeout_s", [5.0, 30.0])
+def test_step_exit_timeout_s_is_how_long_the_launcher_waits_for_srun_after_the_last_exit(tmp_path, monkeypatch,
+                                                                                         timeout_s):
+    """The launcher's watch, built from `slurm.step_exit_timeout_s` of the config, ends a srun that never
+    returns that long (on a fake clock: no real waiting) after the last rank's exit record appeared."""
+    import types
+
+    from yatt_hpc.launch import launcher
+
+    cfg = load_config(REPO / "configs/demo_cpu.yaml", [f"slurm.step_exit_timeout_s={timeout_s}"])
+    p = plan(cfg)
+    _records(tmp_path, {rank: 0 for rank in range(p.world_size)})  # every rank has exited
+    clock = _Clock()
+    monkeypatch.setattr(launcher, "time", types.SimpleNamespace(monotonic=clock))
+    srun = _SrunThatNeverReturns(clock)
+    watch = launcher.step_watch_for(cfg, p, tmp_path)
+    assert watch.wait(srun) == 0 and watch.ended_srun
+    # the records are seen at the first poll; srun is ended at the first poll timeout_s after that
+    assert timeout_s <= srun.killed_at - watch.poll_s < timeout_s + watch.poll_s, srun.killed_at

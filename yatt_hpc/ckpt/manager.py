@@ -118,11 +118,13 @@ class CheckpointManager:
         if not self.async_save:
             self._write_and_commit(step, snapshot(state, None), shared, self.comm)
             self.last_stall_s = time.perf_counter() - start
+            log.info("checkpoint step %d written and committed before the step ended (checkpoint.async=false)", step)
             return
         snap = snapshot(state, self._staging)
         comm = self._wcomm if self._threaded_commit else None
         self._writer.submit(lambda: self._write_and_commit(step, snap, shared, comm))
         self.last_stall_s = time.perf_counter() - start
+        log.info("checkpoint step %d snapshot taken; the writer thread writes it in the background", step)
 
     def _write_and_commit(self, step: int, snap: RankState, shared: SharedState | None, comm) -> None:
         error, entries = None, []

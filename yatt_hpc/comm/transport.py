@@ -104,16 +104,19 @@ def wait_all(requests: list, poll_s: float = 0.002, label: str = "mpi wait") -> 
 
 
 class StreamSender:
-    """A bounded queue of in-flight batch sends: `send` waits for the oldest once `max_inflight` are pending."""
+    """A bounded queue of in-flight batch sends: `send` waits for the oldest once `max_inflight` are pending.
+    `peak_inflight` is the most sends it has had pending (started, not yet waited for) at once."""
 
     def __init__(self, comm, max_inflight: int, poll_s: float = 0.002):
         self.comm, self.max_inflight, self.poll_s = comm, max_inflight, poll_s
         self._pending: list[tuple[list, list]] = []
+        self.peak_inflight = 0
 
     def send(self, dest: int, tag: int, batch: SampleBatch) -> None:
         while len(self._pending) >= self.max_inflight:
             self._wait_oldest()
         self._pending.append(isend_batch(self.comm, dest, tag, batch))
+        self.peak_inflight = max(self.peak_inflight, len(self._pending))
 
     def drain(self) -> None:
         while self._pending:

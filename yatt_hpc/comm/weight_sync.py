@@ -1,6 +1,7 @@
 """Trainer -> rollout weight sync in size-bounded buckets of raw bytes over MPI.
 
-    send_weights(comm, dests, policy.hf_weights(), bucket_mb=64)       # trainer replica, TP rank 0
+    sent = send_weights(comm, dests, policy.hf_weights(), bucket_mb=64)   # trainer replica, TP rank 0
+    sent.nbytes, sent.buckets                                           # per destination
     for bucket, final in recv_weights(comm, source): engine.update_weights(bucket, final=final)
 
 A bucket is two messages: a small JSON manifest (names, dtypes, shapes, byte offsets, `final`)
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,23 +35,31 @@ def _pack(items: list[tuple[str, torch.Tensor]], final: bool) -> tuple[np.ndarra
     return manifest, (np.concatenate(chunks) if chunks else np.zeros(0, np.uint8))
 
 
-def send_weights(comm, dests: list[int], weights: Iterable[tuple[str, torch.Tensor]], bucket_mb: float) -> int:
-    """Send every (name, tensor) to each rank in `dests`; returns bytes sent per destination.
+class Sent(NamedTuple):
+    """What one weight sync sent to each destination (both 0 without destinations)."""
+
+    nbytes: int
+    buckets: int
+
+
+def send_weights(comm, dests: list[int], weights: Iterable[tuple[str, torch.Tensor]], bucket_mb: float) -> Sent:
+    """Send every (name, tensor) to each rank in `dests`; returns the bytes and buckets sent per destination.
 
     The iterator is drained even with no destinations: it may be a collective over the TP group.
     """
     limit = int(bucket_mb * 2**20)
     bucket: list[tuple[str, torch.Tensor]] = []
-    size = sent = 0
+    size = sent = buckets = 0
     for name, tensor in weights:
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > limit:
             sent += _send_bucket(comm, dests, bucket, final=False)
+            buckets += 1
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
     sent += _send_bucket(comm, dests, bucket, final=True)
-    return sent
+    return Sent(sent, buckets + 1 if dests else 0)
 
 
 def _send_bucket(comm, dests: list[int], bucket, final: bool) -> int:

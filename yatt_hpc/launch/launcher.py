@@ -99,7 +99,7 @@ def launch_in_allocation(run_dir: Path, slurm: SlurmEnv, program: Sequence[str] 
     env[EXIT_DIR_ENV] = str(exits)
     _say(f"starting {p.world_size} ranks ({p.mode}): {render(argv)}")
     start = time.monotonic()
-    watch = StepWatch(exits, p.world_size, cfg.slurm.step_exit_timeout_s)
+    watch = step_watch_for(cfg, p, exits)
     code, stderr_lines, signals = _run_step(argv, env, run_dir / "logs" / f"step_{tag}.err", watch)
     if code and gave_up_step(run_dir / "logs" / stop_record_name(slurm.job_id, slurm.restart_count)):
         _say(f"the step exited {code} after giving up a step with its checkpoint committed: a stop")
@@ -270,6 +270,12 @@ class StepWatch:
         proc.wait()
         self.ended_srun = True
         return code
+
+
+def step_watch_for(cfg, p: Plan, exits: Path) -> StepWatch:
+    """The watch of the step that runs plan `p`: every world rank's exit record under `exits`, then at
+    most `cfg.slurm.step_exit_timeout_s` for srun to return."""
+    return StepWatch(exits, p.world_size, cfg.slurm.step_exit_timeout_s)
 
 
 def ranks_exit_code(records: Sequence[Mapping]) -> int:

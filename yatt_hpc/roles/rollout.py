@@ -84,6 +84,7 @@ class RolloutController(BaseController):
             batch, _ = recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_PROMPTS)
             self.stats.hold(len(batch))
             incoming.append(batch)
+        self.stats.add("prompt_messages", len(incoming))  # least_loaded: one from every replica
         prompts = SampleBatch.concat(incoming).sorted_by_id()
         # colocate: the whole batch, then GenRM takes the devices; otherwise stream chunks of whole
         # groups so that scoring overlaps generation (bounded by stream_queue chunks in flight), or,
@@ -110,6 +111,8 @@ class RolloutController(BaseController):
         self.stats.hold(released - len(prompts))  # groups dropped before they were generated
         self.protocol.gate(GENERATED)
         sender.drain()
+        self.stats.values["stream_inflight_max"] = max(self.stats.values.get("stream_inflight_max", 0.0),
+                                                       float(sender.peak_inflight))
         while self.handshake and work.awaiting_stop():  # every replica we worked for says STOP once
             self.stop_owner(work, int(recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_STOP)[0][0]))
         self.protocol.gate(SCORED)

@@ -50,7 +50,7 @@ from yatt_hpc.roles.base import BaseController, rank_device
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.runtime.rank_stats import RankStats
-from yatt_hpc.sched.balance import flops_coeff
+from yatt_hpc.sched.balance import balance_coeff
 from yatt_hpc.sched.dynamic_sampling import DynamicSampler, has_signal
 from yatt_hpc.sched.overdispatch import PromptQueue, dispatch_count
 from yatt_hpc.sched.routing import Routes
@@ -252,8 +252,8 @@ class TrainerController(BaseController):
         from transformers import AutoConfig
 
         hidden = AutoConfig.from_pretrained(self.cfg.model.path).get_text_config().hidden_size
-        a = None if self.cfg.train.balance == "tokens" else (self.cfg.train.balance_flops_coeff or flops_coeff(hidden, 1))
-        return Rebalancer(self.owners_comm, self.world.comm, [self.routes.trainer_owner(d) for d in range(self.routes.dp)], a)
+        return Rebalancer(self.owners_comm, self.world.comm, [self.routes.trainer_owner(d) for d in range(self.routes.dp)],
+                          balance_coeff(self.cfg.train, hidden))
 
     def balance(self, batch: SampleBatch) -> SampleBatch:
         if self.balancer is None:
@@ -272,7 +272,8 @@ class TrainerController(BaseController):
             return
         dests = targets if self.is_owner else []
         sent = send_weights(self.world.comm, dests, self.policy.hf_weights(), self.cfg.rollout.weight_sync_bucket_mb)
-        self.stats.add("weight_sync_bytes", sent)
+        self.stats.add("weight_sync_bytes", sent.nbytes)
+        self.stats.values["weight_sync_buckets"] = float(sent.buckets)  # of one sync, per destination
 
     # ------------------------------------------------------------------ checkpoint hooks
 

@@ -1,6 +1,7 @@
 """Data-parallel load balancing: Karmarkar-Karp (largest differencing) over a FLOPs proxy.
 
     work = workload(lengths, a=flops_coeff(hidden, layers))   # a*L + L^2 per sample (or plain L)
+    a = balance_coeff(cfg.train, hidden)                      # the `a` train.balance* choose
     parts = karmarkar_karp(work_per_group, k=dp)             # list of k lists of unit indices
 
 Units are GRPO groups (all samples of one prompt), so a group is never split across ranks.
@@ -23,6 +24,16 @@ def flops_coeff(hidden_size: int, num_layers: int) -> float:
     ratio of the linear term to the quadratic one is 6*h (verl's 24576 for h=4096).
     """
     return 6.0 * hidden_size
+
+
+def balance_coeff(train, hidden_size: int) -> float | None:
+    """`a` of the workload `train.balance` evens out (a `TrainConfig`; `none` balances nothing):
+    None (plain token counts) for `tokens`; for `flops`, `train.balance_flops_coeff`, or
+    `flops_coeff(hidden_size, 1)` when that is null."""
+    assert train.balance != "none", "train.balance=none builds no balancer"
+    if train.balance == "tokens":
+        return None
+    return train.balance_flops_coeff if train.balance_flops_coeff is not None else flops_coeff(hidden_size, 1)
 
 
 def workload(lengths: np.ndarray, a: float | None) -> np.ndarray:
