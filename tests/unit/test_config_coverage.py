@@ -9,7 +9,7 @@ on its value, and asserts a behaviour that depends on it: not a test that merely
 field. A field whose value the code passes on by hand (a keyword argument in a controller that needs MPI)
 is not shown by a test of the callee alone: such a field needs a test through the config. Fields refused
 in some values also name the validator's test in `REFUSED`. Tests of fields no other test showed are in
-tests/unit/test_config_effects.py.
+tests/unit/test_config_effects.py, and for fields only a real run shows, tests/mpi/test_config_effects_run.py.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from yatt_hpc.config.schema import RunConfig, Section
 
 REPO = Path(__file__).resolve().parents[2]
 EFFECTS = "tests/unit/test_config_effects.py"
+RUN = "tests/mpi/test_config_effects_run.py"  # two real runs that differ in the fields only a run shows
 
 EFFECT: dict[str, str] = {
     # ---------------------------------------------------------------- model
@@ -52,14 +53,18 @@ EFFECT: dict[str, str] = {
     "train.kl_coef": f"{EFFECTS}::test_kl_coef_builds_the_reference_and_adds_its_kl",
     "train.entropy_coef": f"{EFFECTS}::test_entropy_coef_is_the_weight_of_the_entropy_bonus",
     "train.updates_per_step": f"{EFFECTS}::test_updates_per_step_is_the_number_of_optimizer_steps",
-    # train.balance, train.balance_flops_coeff: no test yet (TrainerController._build_balancer, MPI only)
+    "train.balance": f"{RUN}::test_balance_none_moves_nothing_and_flops_balances_every_step",
+    "train.balance_flops_coeff": "tests/unit/test_balance.py::"
+                                 "test_balance_and_balance_flops_coeff_choose_the_workload_groups_are_split_by",
     # ---------------------------------------------------------------- rollout
     "rollout.engine": f"{EFFECTS}::test_rollout_requests_carry_the_configured_sampling",
     "rollout.samples_per_prompt": "tests/mpi/test_grpo_run.py::test_metrics_are_consistent",
     "rollout.max_new_tokens": f"{EFFECTS}::test_rollout_requests_carry_the_configured_sampling",
     "rollout.temperature": "tests/mpi/test_grpo_run.py::test_sampling_temperature_is_the_temperature_the_trainer_scores_at",
     "rollout.top_p": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",  # only 1.0 is accepted
-    # rollout.weight_sync_bucket_mb, rollout.stream_queue, rollout.routing: no test yet (MPI only)
+    "rollout.weight_sync_bucket_mb": f"{RUN}::test_weight_sync_bucket_mb_sets_the_buckets_of_a_sync",
+    "rollout.stream_queue": f"{RUN}::test_stream_queue_bounds_the_sends_in_flight_to_genrm",
+    "rollout.routing": f"{RUN}::test_routing_least_loaded_sends_every_replica_to_every_rollout_rank",
     "rollout.stream_chunk": "tests/mpi/test_placement_modes.py::test_mode_runs_and_scores_every_sample_once",
     "rollout.streaming": "tests/mpi/test_placement_modes.py::"
                          "test_finished_groups_are_scored_while_the_long_tail_still_decodes",
@@ -116,7 +121,9 @@ EFFECT: dict[str, str] = {
     # ---------------------------------------------------------------- checkpoint
     "checkpoint.interval": "tests/mpi/test_ckpt_faults.py::"
                            "test_a_corrupt_latest_checkpoint_is_skipped_moved_aside_and_the_run_resumes_from_the_one_before",
-    # checkpoint.keep_last, checkpoint.async_save: no test yet (runtime/worker.py hands them to CheckpointManager)
+    "checkpoint.keep_last": f"{RUN}::test_keep_last_keeps_the_newest_committed_checkpoints",
+    "checkpoint.async_save": f"{RUN}::"
+                             "test_async_false_commits_before_the_next_step_and_async_true_writes_in_the_background",
     "checkpoint.load_from": "tests/mpi/test_grpo_run.py::test_load_from_starts_fresh_with_another_runs_weights",
     "checkpoint.stop_grace_s": "tests/mpi/test_stop_grace.py::"
                                "test_signal_in_a_long_step_commits_the_last_step_within_the_grace_and_resumes_exactly",
@@ -132,12 +139,14 @@ EFFECT: dict[str, str] = {
     "slurm.signal": "tests/unit/test_sbatch_render.py::"
                     "test_every_script_requeues_signals_logs_per_restart_and_execs_the_launcher",
     "slurm.max_requeues": f"{EFFECTS}::test_submitit_executor_takes_max_requeues_and_the_time_limit",
-    # slurm.step_exit_timeout_s: no test yet (launch/launcher.py, inside a Slurm job)
+    "slurm.step_exit_timeout_s": "tests/unit/test_step_watch.py::"
+                                 "test_step_exit_timeout_s_is_how_long_the_launcher_waits_for_srun_after_the_last_exit",
     "slurm.extra_flags": "tests/unit/test_sbatch_render.py::test_disjoint_is_a_heterogeneous_job_with_one_component_per_group",
     "slurm.env": "tests/unit/test_sbatch_render.py::test_rendered_script_runs_only_what_we_meant",
     # ---------------------------------------------------------------- logging
     "logging.tensorboard": "tests/mpi/test_grpo_run.py::test_two_steps_write_every_tag_to_tensorboard",  # default true
-    # logging.level: read by nothing (runtime/worker.py sets every rank's log level to INFO); logging.progress: no test
+    "logging.level": f"{RUN}::test_logging_level_warning_hides_the_info_lines_of_every_rank",
+    "logging.progress": f"{RUN}::test_logging_progress_prints_the_leaders_step_line",
 }
 
 REFUSED: dict[str, str] = {
