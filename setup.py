@@ -26,6 +26,7 @@ setup(
         "mpi4py>=4.0",
         "submitit>=1.5.4",
         "h5py>=3.10",
+        "pyarrow>=14",  # Parquet prompt datasets (data.source); row groups and column subsets read lazily
         "safetensors>=0.4",
         "tensorboard>=2.16",
         "click>=8.1",

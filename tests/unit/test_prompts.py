@@ -1,10 +1,12 @@
-"""Prompt sources: the demo source, JSONL files and their errors, and the seeded shard-aware walk.
+"""Prompt sources: the demo source, JSONL rows and their errors, and the seeded shard-aware walk
+(Parquet, directories of shards, lazy reading: test_datasets.py; chat prompts: test_chat_prompts.py).
 
     .venv/bin/python -m pytest tests/unit/test_prompts.py -q
 """
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,12 +17,17 @@ from yatt_hpc.data.prompts import (
     DemoTaskSource,
     JsonlSource,
     PromptStream,
+    RowSchema,
     build_prompt_source,
     epoch_permutation,
     open_prompt_source,
 )
+from yatt_hpc.data.tokenizer import CharTokenizerAdapter
 from yatt_hpc.demo.char_tokenizer import CharTokenizer
 from yatt_hpc.demo.task import demo_row
+
+REPO = Path(__file__).resolve().parents[2]
+CHAR = CharTokenizerAdapter(CharTokenizer())
 
 
 def _write(path, lines: list[str]):
@@ -33,8 +40,8 @@ def test_demo_source_serves_the_demo_task_rows():
     assert len(source) == 32
     row = source.row(5)
     expected = demo_row(source.seed, 5, "heldout")
-    assert (row["id"], row["prompt"], row["answer"]) == (5, expected["prompt"], expected["answer"])
-    assert row["origin"] == "demo:heldout#5"
+    assert row == {"id": 5, "prompt": expected["prompt"], "messages": None, "question": expected["prompt"],
+                   "answer": expected["answer"], "metadata": {}, "origin": "demo:heldout#5"}
     with pytest.raises(IndexError):
         source.row(32)
 
@@ -71,13 +78,15 @@ def test_jsonl_source_reads_rows_skipping_blank_lines(tmp_path):
                                          json.dumps({"prompt": "hi", "answer": "yo", "id": 77})])
     source = JsonlSource(path)
     assert len(source) == 2
-    assert source.row(0) == {"id": 0, "prompt": "2+2=", "answer": "4", "origin": f"{path}:1"}
-    assert source.row(1) == {"id": 77, "prompt": "hi", "answer": "yo", "origin": f"{path}:3"}
+    assert source.row(0) == {"id": 0, "prompt": "2+2=", "messages": None, "question": "2+2=", "answer": "4",
+                             "metadata": {}, "origin": f"{path}:1"}
+    assert source.row(1) == {"id": 77, "prompt": "hi", "messages": None, "question": "hi", "answer": "yo",
+                             "metadata": {"id": 77}, "origin": f"{path}:3"}
 
 
 def test_jsonl_keys_can_be_renamed(tmp_path):
     path = _write(tmp_path / "p.jsonl", [json.dumps({"question": "q", "solution": "s"})])
-    row = open_prompt_source(str(path), prompt_key="question", answer_key="solution").row(0)
+    row = open_prompt_source(str(path), RowSchema(prompt_key="question", answer_key="solution")).row(0)
     assert (row["prompt"], row["answer"]) == ("q", "s")
 
 
@@ -85,7 +94,7 @@ def test_row_without_prompt_names_the_file_the_line_and_the_key(tmp_path):
     path = _write(tmp_path / "bad.jsonl", [json.dumps({"prompt": "ok", "answer": "a"}),
                                            json.dumps({"question": "where?", "answer": "b"})])
     with pytest.raises(DatasetError) as err:
-        JsonlSource(path)
+        JsonlSource(path).row(1)
     message = str(err.value)
     assert f"{path}:2" in message and "'prompt'" in message and "'question'" in message
     assert "data.prompt_key" in message
@@ -94,14 +103,18 @@ def test_row_without_prompt_names_the_file_the_line_and_the_key(tmp_path):
 @pytest.mark.parametrize("line,needle", [
     pytest.param('{"prompt": "x", "answer": ', "not valid JSON", id="broken-json"),
     pytest.param('["prompt", "answer"]', "expected a JSON object", id="not-an-object"),
-    pytest.param('{"prompt": "x"}', "no 'answer' key", id="missing-answer"),
+    pytest.param('{"prompt": "x"}', "no 'answer' column", id="missing-answer"),
+    pytest.param('{"prompt": 7, "answer": "a"}', "'prompt' must be a non-empty string, got int 7", id="int-prompt"),
+    pytest.param('{"prompt": "x", "answer": true}', "string or a number, got bool True", id="bool-answer"),
     pytest.param('{"prompt": "", "answer": "a"}', "non-empty string", id="empty-prompt"),
     pytest.param('{"prompt": "x", "answer": null}', "string or a number", id="null-answer"),
 ])
 def test_bad_rows_raise_dataset_error_with_the_line_number(tmp_path, line, needle):
     path = _write(tmp_path / "bad.jsonl", [json.dumps({"prompt": "ok", "answer": "a"}), line])
+    source = JsonlSource(path)
+    assert source.row(0)["prompt"] == "ok"  # the bad line is only read when asked for
     with pytest.raises(DatasetError, match=needle) as err:
-        JsonlSource(path)
+        source.row(1)
     assert f"{path}:2:" in str(err.value)
 
 
@@ -109,18 +122,32 @@ def test_missing_and_empty_files_are_dataset_errors(tmp_path):
     with pytest.raises(DatasetError, match="no such file"):
         open_prompt_source(str(tmp_path / "nope.jsonl"))
     with pytest.raises(DatasetError, match="no rows"):
-        JsonlSource(_write(tmp_path / "empty.jsonl", [""]))
+        open_prompt_source(str(_write(tmp_path / "empty.jsonl", ["", "  "]))).probe()
     assert issubclass(DatasetError, ValueError)
 
 
 def test_build_prompt_source_follows_the_data_config(tmp_path):
-    stream = build_prompt_source(DataConfig(source="demo:train", num_prompts=64, seed=5), CharTokenizer())
+    stream = build_prompt_source(DataConfig(source="demo:train", num_prompts=64, seed=5), CHAR)
     assert len(stream) == 64 and stream.seed == 5
     assert stream.row_at(3) == PromptStream(DemoTaskSource(64), 5).row_at(3)
 
 
-def test_prompts_over_the_token_limit_fail_up_front_naming_the_row(tmp_path):
+def test_prompts_over_the_token_limit_fail_when_read_naming_the_row(tmp_path):
     path = _write(tmp_path / "long.jsonl", [json.dumps({"prompt": "short", "answer": "a"}),
                                             json.dumps({"prompt": "x" * 40, "answer": "a"})])
-    with pytest.raises(DatasetError, match=f"{path}:2: prompt is 40 tokens, over data.max_prompt_tokens=16"):
-        build_prompt_source(DataConfig(source=str(path), max_prompt_tokens=16), CharTokenizer())
+    stream = build_prompt_source(DataConfig(source=str(path), max_prompt_tokens=16), CHAR)  # nothing tokenized yet
+    assert stream.encode(stream.source.row(0)) == CHAR.encode("short")
+    with pytest.raises(DatasetError, match=f"{path}:2: prompt is 40 tokens, over data.max_prompt_tokens=16; "
+                                           "shorten the prompt or raise data.max_prompt_tokens"):
+        stream.encode(stream.source.row(1))
+    first = _write(tmp_path / "first.jsonl", [json.dumps({"prompt": "x" * 17, "answer": "a"})])
+    with pytest.raises(DatasetError, match=f"{first}:1: prompt is 17 tokens"):  # the first row is checked at once
+        build_prompt_source(DataConfig(source=str(first), max_prompt_tokens=16), CHAR)
+
+
+def test_the_default_prompt_limit_is_sized_for_real_models_and_the_demo_configs_keep_theirs():
+    from yatt_hpc.config import load_config
+
+    assert DataConfig().max_prompt_tokens == 1024
+    for name in ("demo_cpu", "demo_1gpu", "disjoint_cpu", "partial_cpu"):
+        assert load_config(REPO / "configs" / f"{name}.yaml").data.max_prompt_tokens == 64, name

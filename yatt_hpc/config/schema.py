@@ -52,20 +52,46 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    """Where prompts come from and how each data-parallel rank walks its shard."""
+    """Where prompts come from, how a row becomes the policy's input, and how each data-parallel rank walks its shard."""
 
     source: str = "demo:train"
-    """`demo:train` (the built-in verifiable task) or a path to a JSONL file with `prompt` and `answer`."""
+    """`demo:train` (the built-in verifiable task), `demo:heldout`, a JSONL file (one object per line), a Parquet
+    file, or a directory: all its `*.jsonl` or all its `*.parquet` files, in sorted name order, as one list of rows.
+    Rows are read lazily by position; a bad row is an error naming the file, the row and the column when it is read."""
+    format: Literal["text", "chat"] = "text"
+    """`text`: the prompt string is the model's input as is (with the tokenizer's BOS). `chat`: a row's messages (or
+    its prompt string as the user's message, after data.system_prompt) go through the policy tokenizer's chat
+    template (or data.chat_template) with the generation prompt."""
     prompt_key: str = "prompt"
-    """JSONL key holding the prompt text."""
+    """Column (JSONL key) holding the prompt text; in chat format, for rows without data.messages_key."""
+    messages_key: str = "messages"
+    """Column holding a chat row's messages, a list of `{role, content}` ending with the user's turn (chat format
+    only; a row without it uses data.prompt_key)."""
     answer_key: str = "answer"
-    """JSONL key holding the reference answer the rule verifier checks."""
+    """Column holding the reference answer the rule verifier checks; required in every row unless
+    reward.mode=rm_only, where rows without it get an empty answer."""
+    system_prompt: str | None = None
+    """Chat format: a system message put first in every row that does not begin with its own."""
+    chat_template: str | None = None
+    """Chat format: path of a Jinja chat template file used instead of the policy tokenizer's own."""
+    metadata_columns: list[str] | None = None
+    """Columns passed to reward functions as the row's metadata (JSON values); null passes every column but the
+    prompt, messages and answer; `[]` passes none."""
     num_prompts: int = Field(4096, ge=1)
-    """Size of the generated demo prompt set (ignored for JSONL sources)."""
+    """Size of the generated demo prompt set (ignored for file sources)."""
     seed: int = 1234
     """Seed of the per-epoch prompt permutation; the order is a pure function of (seed, epoch, position)."""
-    max_prompt_tokens: int = Field(64, ge=1)
-    """Prompts longer than this many tokens are rejected with an error naming the row."""
+    max_prompt_tokens: int = Field(1024, ge=1)
+    """Longest prompt in tokens (after the chat template); a longer row is an error naming it when it is read."""
+
+    @model_validator(mode="after")
+    def _chat_fields_need_chat(self) -> DataConfig:
+        if self.format == "text":
+            given = [f for f in ("system_prompt", "chat_template") if getattr(self, f) is not None]
+            if given:
+                raise ValueError(f"data.{given[0]} is set but data.format=text, where rows are not chat messages and "
+                                 f"no chat template is applied; set data.format=chat, or drop data.{given[0]}")
+        return self
 
 
 class TrainConfig(Section):

@@ -1,72 +1,61 @@
-"""Prompt sources for the trainer (the built-in demo task or a JSONL file), walked in a seeded order.
+"""Prompt sources for the trainer (the built-in demo task, JSONL or Parquet files, directories of shards),
+walked in a seeded order.
 
     from yatt_hpc.data.prompts import build_prompt_source, open_prompt_source, PromptStream
     prompts = build_prompt_source(cfg.data, tokenizer)   # a PromptStream over data.source, data.seed
-    prompts.row_at(position)      # {"id", "prompt", "answer", "origin"}; epoch = position // len(prompts)
-    PromptStream(open_prompt_source("data/prompts.jsonl"), seed=0).rows_at(start, count)
+    row = prompts.row_at(position)  # a PromptRow (data/rows.py); epoch = position // len(prompts)
+    ids = prompts.encode(row)       # the policy's input ids (data.format), within data.max_prompt_tokens
+    PromptStream(open_prompt_source("data/train/"), seed=0).rows_at(start, count)
 
 Shard-aware by construction: the row at a position is a pure function of (source, seed, position),
 through `epoch_permutation(seed, epoch, size)`. A data-parallel rank computes the positions it owns
 (e.g. `step * prompts_per_step + dp_rank * per_rank + k`) and asks only for those, so ranks never
 read each other's rows and a restart at step N sees exactly the prompts it would have seen.
 
-A JSONL file holds one object per line, `{"prompt": "...", "answer": "..."}` (the keys can be
-renamed through data.prompt_key / data.answer_key). Every problem with a file raises `DatasetError`,
-whose message names the file, the line and the fix, for the CLI to print as is.
+Lazy by construction: opening a source reads its first row (a misnamed column fails at once) and
+Parquet footers; a JSONL file is indexed (the byte offsets of its lines, no JSON parsed) when a row
+is first asked for; a row is parsed, checked and tokenized when it is read. A bad row fails when it
+is reached, as a `DatasetError` naming the file, the row, the column and the fix.
+
+`data.source` is `demo:train` / `demo:heldout`, a `.jsonl` file (one object per line), a `.parquet`
+file, or a directory: all its `*.jsonl` or all its `*.parquet` files, in sorted name order, as one list
+of rows. Columns: data.prompt_key (text), data.messages_key (chat, else the prompt as the user's
+message), data.answer_key (optional with reward.mode=rm_only); the others become the row's metadata.
 """
 from __future__ import annotations
 
-import json
-from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from yatt_hpc.data.encode import build_prompt_encoder
+from yatt_hpc.data.jsonl import JsonlSource
+from yatt_hpc.data.parquet import ParquetSource
+from yatt_hpc.data.rows import BasePromptSource, DatasetError, PromptRow, RowSchema
 from yatt_hpc.demo.task import SPLITS, demo_row
 
 if TYPE_CHECKING:
     from yatt_hpc.config.schema import DataConfig
-    from yatt_hpc.demo.char_tokenizer import CharTokenizer
+    from yatt_hpc.data.tokenizer import Tokenizer
+
+__all__ = ["BasePromptSource", "DatasetError", "DemoTaskSource", "JsonlSource", "ParquetSource", "PromptRow",
+           "PromptStream", "RowSchema", "ShardedSource", "build_prompt_source", "epoch_permutation",
+           "open_prompt_source"]
 
 DEMO_CONTENT_SEED = 0
 """Seed of the demo task's words; the walk order has its own seed (`data.seed`)."""
 _PERMUTATIONS_KEPT = 2  # a step can straddle two epochs; older ones are never asked for again
-
-
-class DatasetError(ValueError):
-    """A user error in a prompt dataset; the message is complete and meant to be printed as is."""
-
-
-class PromptRow(TypedDict):
-    """One prompt. `id`: the row's own `id` field if it has one, else its 0-based index in the
-    source; `answer`: the reference the rule verifier checks; `origin`: `path:line` or
-    `demo:split#index`, for error messages."""
-
-    id: int
-    prompt: str
-    answer: str
-    origin: str
-
-
-class BasePromptSource(ABC):
-    """A finite, indexable list of prompt rows."""
-
-    name: str
-
-    @abstractmethod
-    def __len__(self) -> int: ...
-
-    @abstractmethod
-    def row(self, index: int) -> PromptRow:
-        """Row `index` in 0..len-1 of the source's own (unshuffled) order."""
+FileSource = JsonlSource | ParquetSource
 
 
 class DemoTaskSource(BasePromptSource):
     """The first `size` rows of a demo-task split, generated on demand (no file, no memory)."""
 
-    def __init__(self, size: int = 4096, split: str = "train", seed: int = DEMO_CONTENT_SEED) -> None:
+    def __init__(self, size: int = 4096, split: str = "train", seed: int = DEMO_CONTENT_SEED,
+                 schema: RowSchema | None = None) -> None:
         if split not in SPLITS:
             raise DatasetError(f"unknown demo split {split!r}; use one of: "
                                + ", ".join(f"demo:{s}" for s in SPLITS))
@@ -74,6 +63,9 @@ class DemoTaskSource(BasePromptSource):
             raise DatasetError(f"the demo task needs at least 1 prompt, got num_prompts={size}")
         self.size, self.split, self.seed = size, split, seed
         self.name = f"demo:{split}"
+        # the demo's rows have fixed columns; the run's format and system prompt still apply
+        self.schema = replace(schema or RowSchema(), prompt_key="prompt", answer_key="answer", require_answer=True,
+                              metadata_columns=None)
 
     def __len__(self) -> int:
         return self.size
@@ -82,74 +74,94 @@ class DemoTaskSource(BasePromptSource):
         if not 0 <= index < self.size:
             raise IndexError(f"{self.name} has {self.size} rows, asked for row {index}")
         r = demo_row(self.seed, index, self.split)
-        return PromptRow(id=r["id"], prompt=r["prompt"], answer=r["answer"], origin=f"{self.name}#{index}")
+        return self.schema.row_from({"prompt": r["prompt"], "answer": r["answer"]}, f"{self.name}#{index}", r["id"])
 
 
-class JsonlSource(BasePromptSource):
-    """All rows of a JSONL file, read and checked once so that errors surface before training."""
+class ShardedSource(BasePromptSource):
+    """The files of a directory, in sorted name order, as one list of rows (a file may be empty)."""
 
-    def __init__(self, path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> None:
-        self.path = Path(path)
-        self.name = str(path)
-        if not self.path.is_file():
-            raise DatasetError(f"{path}: no such file; data.source must be `demo:train` or a JSONL file "
-                               f"with one {{\"{prompt_key}\": ..., \"{answer_key}\": ...}} object per line")
-        self._rows: list[PromptRow] = []
-        with self.path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if line.strip():
-                    self._rows.append(self._parse(line, lineno, prompt_key, answer_key))
-        if not self._rows:
-            raise DatasetError(f"{path}: the file has no rows; add one JSON object per line, e.g. "
-                               f"{{\"{prompt_key}\": \"reverse abcd=\", \"{answer_key}\": \"dcba\"}}")
+    def __init__(self, directory: str | Path, shards: list[FileSource]) -> None:
+        self.name, self.shards = str(directory), shards
+        self._starts: np.ndarray | None = None
 
-    def _parse(self, line: str, lineno: int, prompt_key: str, answer_key: str) -> PromptRow:
-        where = f"{self.path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); "
-                               f"each line must be one JSON object") from None
-        if not isinstance(obj, dict):
-            raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        if prompt_key not in obj:
-            raise DatasetError(f"{where}: row has no {prompt_key!r} key (it has: {', '.join(map(repr, obj)) or 'none'}); "
-                               f"add it, or set data.prompt_key to the key that holds the prompt")
-        if answer_key not in obj:
-            raise DatasetError(f"{where}: row has no {answer_key!r} key (it has: {', '.join(map(repr, obj))}); "
-                               f"add the reference answer (\"\" for prompts only the GenRM judges, with "
-                               f"reward.mode=rm_only), or set data.answer_key")
-        prompt, answer = obj[prompt_key], obj[answer_key]
-        if not isinstance(prompt, str) or not prompt:
-            raise DatasetError(f"{where}: {prompt_key!r} must be a non-empty string, got {prompt!r}")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            raise DatasetError(f"{where}: {answer_key!r} must be a string or a number, got {answer!r}")
-        row_id = obj["id"] if isinstance(obj.get("id"), int) else len(self._rows)
-        return PromptRow(id=row_id, prompt=prompt, answer=str(answer), origin=where)
+    @property
+    def starts(self) -> np.ndarray:
+        """Index of each shard's first row; the last entry is the total."""
+        if self._starts is None:
+            counts = [len(s) for s in self.shards]
+            if not sum(counts):
+                raise DatasetError(f"{self.name}: none of its {len(self.shards)} files has a row; write the prompts "
+                                   "into them, or point data.source at another directory")
+            self._starts = np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+        return self._starts
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return int(self.starts[-1])
 
     def row(self, index: int) -> PromptRow:
-        return self._rows[index]
+        if not 0 <= index < len(self):
+            raise IndexError(f"{self.name} has {len(self)} rows, asked for row {index}")
+        k = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return self.shards[k].read(index - int(self.starts[k]), index)
+
+    def probe(self) -> PromptRow:
+        for shard in self.shards:
+            first = shard.first_row()
+            if first is not None:
+                return first
+        raise DatasetError(f"{self.name}: none of its {len(self.shards)} files has a row; write the prompts "
+                           "into them, or point data.source at another directory")
 
 
-def open_prompt_source(source: str, *, num_prompts: int = 4096, prompt_key: str = "prompt",
-                       answer_key: str = "answer") -> BasePromptSource:
-    """`demo:train` / `demo:heldout` (`demo` = `demo:train`) or the path of a JSONL file."""
+def open_prompt_source(source: str, schema: RowSchema | None = None, *, num_prompts: int = 4096) -> BasePromptSource:
+    """`demo:train` / `demo:heldout` (`demo` = `demo:train`), a JSONL or Parquet file, or a directory of them."""
     if source == "demo" or source.startswith("demo:"):
-        return DemoTaskSource(num_prompts, source.partition(":")[2] or "train")
-    return JsonlSource(source, prompt_key, answer_key)
+        return DemoTaskSource(num_prompts, source.partition(":")[2] or "train", schema=schema)
+    path = Path(source)
+    if not path.is_dir():
+        return _open_file(path, schema)
+    files = {ext: sorted(p for p in path.glob(f"*.{ext}") if p.is_file() and not p.name.startswith("."))
+             for ext in ("jsonl", "parquet")}
+    if files["jsonl"] and files["parquet"]:
+        raise DatasetError(f"{source}: the directory holds both *.jsonl ({len(files['jsonl'])}) and *.parquet "
+                           f"({len(files['parquet'])}) files, so which rows it holds is ambiguous; keep one kind "
+                           "there, or point data.source at one file")
+    shards = files["jsonl"] or files["parquet"]
+    if not shards:
+        seen = sorted(p.name for p in path.iterdir())
+        raise DatasetError(f"{source}: the directory has no *.jsonl or *.parquet files (it has: "
+                           f"{', '.join(seen[:8]) + (', ...' if len(seen) > 8 else '') if seen else 'nothing'}); "
+                           "put the prompt files there, or point data.source at a file")
+    return ShardedSource(source, [_open_file(p, schema) for p in shards])
 
 
-def build_prompt_source(data: DataConfig, tokenizer: CharTokenizer | None = None) -> PromptStream:
-    """The configured prompts in the configured order; with a tokenizer, every prompt is checked
-    against `data.max_prompt_tokens` up front so that a long row fails before any training."""
-    source = open_prompt_source(data.source, num_prompts=data.num_prompts, prompt_key=data.prompt_key,
-                                answer_key=data.answer_key)
-    if tokenizer is not None:
-        check_prompt_lengths(source, tokenizer.encode_prompt, data.max_prompt_tokens)
-    return PromptStream(source, data.seed)
+def _open_file(path: Path, schema: RowSchema | None) -> FileSource:
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file or directory; data.source must be `demo:train`, a JSONL or Parquet "
+                           "file, or a directory of *.jsonl or *.parquet files")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if path.suffix in (".parquet", ".pq") or magic == b"PAR1":
+        return ParquetSource(path, schema)
+    return JsonlSource(path, schema)
+
+
+def build_prompt_source(data: DataConfig, tokenizer: Tokenizer | None = None, *,
+                        require_answer: bool = True) -> PromptStream:
+    """The configured prompts in the configured order. The first row is read (and, with a tokenizer,
+    encoded) at once, so that a misnamed column or a missing template fails before any training; every
+    other row is checked when it is read. `require_answer=False` (no rule term scores the run) lets
+    rows go without data.answer_key."""
+    schema = RowSchema(format=data.format, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                       messages_key=data.messages_key, system_prompt=data.system_prompt,
+                       require_answer=require_answer,
+                       metadata_columns=None if data.metadata_columns is None else tuple(data.metadata_columns))
+    source = open_prompt_source(data.source, schema, num_prompts=data.num_prompts)
+    encode = build_prompt_encoder(data, tokenizer) if tokenizer is not None else None
+    first = source.probe()
+    if encode is not None:
+        encode(first)
+    return PromptStream(source, data.seed, encode)
 
 
 def epoch_permutation(seed: int, epoch: int, size: int) -> np.ndarray:
@@ -162,8 +174,10 @@ def epoch_permutation(seed: int, epoch: int, size: int) -> np.ndarray:
 class PromptStream:
     """An endless walk over a source: each epoch visits every row once, in a seeded order."""
 
-    def __init__(self, source: BasePromptSource, seed: int) -> None:
+    def __init__(self, source: BasePromptSource, seed: int,
+                 encode: Callable[[PromptRow], list[int]] | None = None) -> None:
         self.source, self.seed = source, seed
+        self._encode = encode
         self._permutations: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -182,19 +196,15 @@ class PromptStream:
     def rows_at(self, start: int, count: int) -> list[PromptRow]:
         return [self.row_at(p) for p in range(start, start + count)]
 
+    def encode(self, row: PromptRow) -> list[int]:
+        """The policy's input ids for `row` (DatasetError if over data.max_prompt_tokens)."""
+        if self._encode is None:
+            raise RuntimeError("this PromptStream was built without a tokenizer; pass one to build_prompt_source")
+        return self._encode(row)
+
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch not in self._permutations:
             if len(self._permutations) >= _PERMUTATIONS_KEPT:
                 del self._permutations[min(self._permutations)]
             self._permutations[epoch] = epoch_permutation(self.seed, epoch, len(self.source))
         return self._permutations[epoch]
-
-
-def check_prompt_lengths(source: BasePromptSource, encode: Callable[[str], list[int]], max_tokens: int) -> None:
-    """Raise `DatasetError` naming the first row whose prompt is longer than `max_tokens` tokens."""
-    for i in range(len(source)):
-        row = source.row(i)
-        n = len(encode(row["prompt"]))
-        if n > max_tokens:
-            raise DatasetError(f"{row['origin']}: prompt is {n} tokens, over data.max_prompt_tokens={max_tokens}; "
-                               f"shorten the prompt or raise data.max_prompt_tokens")

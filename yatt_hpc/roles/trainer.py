@@ -85,7 +85,7 @@ class TrainerController(BaseController):
         self.protocol = protocol
         self.consumed = ConsumedLog(run_dir / "data" / f"consumed-dp{self.dp_rank}.jsonl", enabled=self.is_owner)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.source = build_prompt_source(cfg.data, self.tokenizer)
+        self.source = build_prompt_source(cfg.data, self.tokenizer, require_answer=cfg.reward.mode != "rm_only")
         addr, port = self._rendezvous()
         tp = world.plan.group("trainer").size("tp")
         device = rank_device(world)
@@ -198,7 +198,7 @@ class TrainerController(BaseController):
         """Send ceil(keep x ratio) prompt groups to the rollout ranks; returns {position: row id} sent."""
         positions, reused = self.queue.take(dispatch_count(keep, self.ratio))
         rows = [self.source.row_at(int(p)) for p in positions]
-        prompts = [np.asarray(self.tokenizer.encode_prompt(r["prompt"]), np.int32) for r in rows]
+        prompts = [np.asarray(self.source.encode(r), np.int32) for r in rows]  # data.format, length checked
         answers = [np.frombuffer(r["answer"].encode(), np.uint8) for r in rows]
         rep = np.repeat(np.arange(len(rows)), self.n)
         batch = SampleBatch(
