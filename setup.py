@@ -35,6 +35,7 @@ setup(
         "rich>=13.0",
         "numpy>=1.26",
         "matplotlib>=3.8",
+        "math-verify>=0.9,<1",  # the `math` reward term (HF's answer extraction + equivalence; latex2sympy2_extended)
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5"],

@@ -14,6 +14,7 @@ from yatt_hpc.config import ConfigError
 from yatt_hpc.data.prompts import DatasetError
 from yatt_hpc.data.tokenizer import TokenizerError
 from yatt_hpc.placement import PlanError
+from yatt_hpc.reward.errors import RewardError
 
 
 class InputError(Exception):
@@ -21,4 +22,4 @@ class InputError(Exception):
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, LaunchMismatch, DatasetError, InputError,
-                                                DiskFullError, TokenizerError)
+                                                DiskFullError, TokenizerError, RewardError)

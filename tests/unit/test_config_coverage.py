@@ -26,6 +26,8 @@ from yatt_hpc.config.schema import RunConfig, Section
 
 REPO = Path(__file__).resolve().parents[2]
 EFFECTS = "tests/unit/test_config_effects.py"
+REWARD = "tests/unit/test_reward_controller.py"  # the GenRM controller built from reward configs
+TERMS = "tests/unit/test_reward_terms.py::test_refused_reward_terms_name_the_field_and_the_fix"
 RUN = "tests/mpi/test_config_effects_run.py"  # two real runs that differ in the fields only a run shows
 
 EFFECT: dict[str, str] = {
@@ -83,6 +85,15 @@ EFFECT: dict[str, str] = {
     "reward.parse_fail_score": f"{EFFECTS}::test_reward_is_alpha_genrm_plus_beta_rule_with_the_parse_fail_score",
     "reward.verdict_max_tokens": f"{EFFECTS}::test_verdict_max_tokens_cuts_the_verdict",
     "reward.verdict_temperature": f"{EFFECTS}::test_verdict_temperature_samples_the_verdict",
+    "reward.terms": f"{REWARD}::test_terms_make_the_weighted_reward_and_each_term_its_metric",
+    "reward.judge_template": f"{REWARD}::test_judge_template_is_what_the_judge_reads",
+    "reward.judge_chat": f"{REWARD}::test_judge_chat_renders_through_the_judges_chat_template",
+    "reward.judge_parser": f"{REWARD}::test_judge_parser_and_pattern_choose_how_a_verdict_is_read",
+    "reward.judge_pattern": f"{REWARD}::test_judge_parser_and_pattern_choose_how_a_verdict_is_read",
+    "reward.judge_score_min": f"{REWARD}::test_judge_score_min_and_max_set_the_scale",
+    "reward.judge_score_max": f"{REWARD}::test_judge_score_min_and_max_set_the_scale",
+    "reward.judge_dtype": f"{REWARD}::test_judge_dtype_and_batch_size_reach_the_judges_engine",
+    "reward.judge_batch_size": f"{REWARD}::test_judge_dtype_and_batch_size_reach_the_judges_engine",
     # ---------------------------------------------------------------- placement
     "placement.mode": "tests/unit/test_sbatch_render.py::test_disjoint_is_a_heterogeneous_job_with_one_component_per_group",
     "placement.trainer.nodes": "tests/unit/test_sbatch_render.py::test_shared_step_places_each_group_on_every_node_in_rank_order",
@@ -177,6 +188,15 @@ REFUSED: dict[str, str] = {
     "slurm.signal": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
     "slurm.extra_flags": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
     "slurm.env": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
+    "reward.mode": TERMS,  # disagreeing with reward.terms
+    "reward.alpha": TERMS,  # other than its default with reward.terms
+    "reward.beta": TERMS,
+    "reward.terms": TERMS,
+    "reward.judge_template": TERMS,  # without a judge
+    "reward.judge_batch_size": TERMS,  # without a judge
+    "reward.judge_pattern": TERMS,
+    "reward.judge_score_min": TERMS,
+    "reward.judge_score_max": TERMS,
 }
 
 # Entries whose test file names neither the field nor its leaf; each with why the test still shows it.

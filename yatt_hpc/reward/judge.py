@@ -1,40 +1,50 @@
 """The generative reward model (GenRM) judge: a causal LM, served by a rollout engine, that writes a
-verdict on (question, response).
+verdict on (question, response[, reference]).
 
     from yatt_hpc.reward.judge import GenRMJudge
     judge = GenRMJudge.from_pretrained("models/demo/judge")            # hf engine on CPU, greedy, 4 tokens
-    judge = GenRMJudge.from_pretrained(path, engine="sglang", device="cuda:4", tp_size=4, dtype="bfloat16")
+    judge = GenRMJudge.from_pretrained(path, engine="sglang", device="cuda:4", tp_size=4, dtype="bfloat16",
+                                       template=text, parser=build_verdict_parser("boxed_score"), max_new_tokens=512)
     texts = judge.generate_verdicts([("reverse abcdab=", "badcba")])   # -> ["yes"]
-    scores = judge.score([("reverse abcdab=", "badcba")])              # -> [1.0]  (None = unparseable)
+    scores = judge.score([("reverse abcdab=", "badcba")], references=["badcba"])   # -> [1.0]  (None = unparseable)
 
-The judge reads `template.build_judge_prompt(question, response)`; the engine is the same
-`rollout.engine.BaseEngine` the rollout group uses (`hf` on CPU or one GPU, `sglang` with tp GPUs),
-so release/resume, dtype and device binding are those of the rollout engines. `verdict.parse_verdict`
-turns the text into a score; `mixing.combine_reward` makes the reward.
+The judge reads a `template.JudgePrompt` (the demo's `build_judge_prompt` text by default; a configured
+template through the judge's chat template when it has one); the engine is the same
+`rollout.engine.BaseEngine` the rollout group uses (`hf` on CPU or one GPU, `sglang` with tp GPUs), so
+release/resume, dtype and device binding are those of the rollout engines. The parser (`verdict.py`)
+turns the text into a score; `terms.RewardTerms` makes the reward.
+
+A prompt over the judge's context is cut in tokens of the judge's tokenizer, from the end of the
+response (never the question or the reference: the judge must still see the task).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from yatt_hpc.reward.template import build_judge_prompt
+from yatt_hpc.reward.template import JudgePrompt
 from yatt_hpc.reward.verdict import parse_verdict
 from yatt_hpc.rollout.engine import BaseEngine, GenerationRequest, build_engine
+
+_CUT_PASSES = 4  # a cut response can tokenize differently where it meets the template; a few passes settle it
 
 
 class GenRMJudge:
     """Batched verdict generation on a `BaseEngine` with the judge's tokenizer."""
 
     def __init__(self, engine: BaseEngine, tokenizer, *, max_positions: int, max_new_tokens: int = 4,
-                 temperature: float = 0.0, batch_size: int = 64, seed: int = 0) -> None:
+                 temperature: float = 0.0, batch_size: int = 64, seed: int = 0, template: str | None = None,
+                 chat: bool | str = "auto", parser: Callable[[str], float | None] = parse_verdict) -> None:
         if max_new_tokens < 1 or temperature < 0 or batch_size < 1 or max_positions <= max_new_tokens:
             raise ValueError(f"GenRMJudge needs max_new_tokens >= 1, temperature >= 0, batch_size >= 1 and "
                              f"max_positions > max_new_tokens; got {max_new_tokens}, {temperature}, {batch_size}, "
                              f"{max_positions}")
         self.engine = engine
         self.tokenizer = tokenizer
+        self.prompt = JudgePrompt(tokenizer, template, chat)
+        self.parser = parser
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.batch_size = batch_size
@@ -67,23 +77,26 @@ class GenRMJudge:
     def resume_memory(self) -> None:
         self.engine.resume_memory()
 
-    def generate_verdicts(self, pairs: Sequence[tuple[str, str]]) -> list[str]:
-        """Verdict text for each (question, response) pair, in order. A question too long for the
-        judge gets an empty verdict, which parses as a failure: counted and priced, not a crash."""
-        prompts = [self._prompt_ids(q, r) for q, r in pairs]
-        fits = [i for i, p in enumerate(prompts) if p is not None]
+    def generate_verdicts(self, pairs: Sequence[tuple[str, str]], references: Sequence[str] | None = None) -> list[str]:
+        """Verdict text for each (question, response) pair, in order, asked `batch_size` at a time. A
+        question too long for the judge gets an empty verdict, which parses as a failure: counted and
+        priced, not a crash."""
+        refs = list(references) if references is not None else [""] * len(pairs)
+        prompts = [self._prompt_ids(q, r, ref) for (q, r), ref in zip(pairs, refs, strict=True)]
+        fits = sorted((i for i, p in enumerate(prompts) if p is not None), key=lambda i: len(prompts[i]))
         out = [""] * len(pairs)
         self._calls += 1
         requests = [GenerationRequest(sample_id=i, prompt_ids=np.asarray(prompts[i], np.int64),
                                       max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                                       seed=self._seed_of(i)) for i in fits]
-        for result in self.engine.generate(requests):
-            out[result.sample_id] = self._decode(result.response_ids)
+        for start in range(0, len(requests), self.batch_size):  # similar lengths together: less padding
+            for result in self.engine.generate(requests[start:start + self.batch_size]):
+                out[result.sample_id] = self._decode(result.response_ids)
         return out
 
-    def score(self, pairs: Sequence[tuple[str, str]]) -> list[float | None]:
+    def score(self, pairs: Sequence[tuple[str, str]], references: Sequence[str] | None = None) -> list[float | None]:
         """Parsed verdict scores; None where the verdict could not be parsed."""
-        return [parse_verdict(text) for text in self.generate_verdicts(pairs)]
+        return [self.parser(text) for text in self.generate_verdicts(pairs, references)]
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -98,11 +111,22 @@ class GenRMJudge:
     def _decode(self, ids: np.ndarray) -> str:
         return self.tokenizer.decode(ids.tolist())
 
-    def _prompt_ids(self, question: str, response: str) -> list[int] | None:
-        ids = self.tokenizer.encode(build_judge_prompt(question, response))
+    def _prompt_ids(self, question: str, response: str, reference: str = "") -> list[int] | None:
+        """The judge prompt, its response cut by tokens of the judge's tokenizer to fit; None if even an
+        empty response does not fit."""
+        ids = self.prompt.ids(question, response, reference)
         excess = len(ids) - self.max_prompt_tokens
-        if excess > 0:
-            # An overlong response is cut rather than the question: the judge must still see the task.
-            keep = max(0, len(response.strip()) - excess)
-            ids = self.tokenizer.encode(build_judge_prompt(question, response.strip()[:keep]))
-        return ids if len(ids) <= self.max_prompt_tokens else None
+        if excess <= 0:
+            return ids
+        # An overlong response is cut rather than the question: the judge must still see the task.
+        response_ids = self.tokenizer.encode(response.strip())
+        keep = len(response_ids)
+        for _ in range(_CUT_PASSES):
+            keep = max(0, keep - excess)
+            ids = self.prompt.ids(question, self.tokenizer.decode(response_ids[:keep]), reference)
+            excess = len(ids) - self.max_prompt_tokens
+            if excess <= 0:
+                return ids
+            if keep == 0:
+                return None
+        return None

@@ -28,9 +28,11 @@ from yatt_hpc.comm.transport import (
 )
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.data.tokenizer import load_tokenizer
+from yatt_hpc.reward.function import row_metadata
 from yatt_hpc.reward.judge import GenRMJudge
-from yatt_hpc.reward.mixing import combine_reward
-from yatt_hpc.reward.verifier import rule_score
+from yatt_hpc.reward.template import load_judge_template
+from yatt_hpc.reward.terms import RewardTerms, ScoringRows
+from yatt_hpc.reward.verdict import build_verdict_parser
 from yatt_hpc.roles.base import BaseController, engine_options, rank_device
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
@@ -51,13 +53,19 @@ class GenRMController(BaseController):
         rc = cfg.reward
         self.judge = None
         if rc.mode != "rule_only":
+            parser = build_verdict_parser(rc.judge_parser, scale=(rc.judge_score_min, rc.judge_score_max),
+                                          pattern=rc.judge_pattern)
             self.judge = GenRMJudge.from_pretrained(rc.genrm_path, device=rank_device(world), engine=cfg.rollout.engine,
                                                     tp_size=world.plan.group("genrm").size("tp"), seed=cfg.train.seed,
-                                                    engine_options=engine_options(world, cfg),
+                                                    engine_options={**engine_options(world, cfg),
+                                                                    "dtype": rc.judge_dtype or cfg.model.dtype},
                                                     max_new_tokens=rc.verdict_max_tokens,
-                                                    temperature=rc.verdict_temperature)
+                                                    temperature=rc.verdict_temperature, batch_size=rc.judge_batch_size,
+                                                    template=load_judge_template(rc.judge_template),
+                                                    chat=rc.judge_chat, parser=parser)
             if self.colocate:
                 self.judge.release_memory()  # the trainer holds the devices first; the judge wakes for its phase
+        self.terms = RewardTerms(rc.effective_terms(), judge=self.judge, parse_fail_score=rc.parse_fail_score)
         log.info("genrm rank scores trainer replicas %s (mode %s)", self.replicas, rc.mode)
 
     @property
@@ -126,18 +134,19 @@ class GenRMController(BaseController):
             parts.clear()
 
     def score(self, batch: SampleBatch) -> SampleBatch:
-        rc = self.cfg.reward
+        """Reward = sum of weight x term (`reward.terms`, or the `reward.mode` shorthand); rule_score is the first
+        exact/math/function term (else the exact verifier, a metric only), genrm_score the judge's score."""
         tok = self.policy_tokenizer
-        questions = [tok.decode(p.tolist()) for p in batch.ragged("prompt_tokens")]
-        responses = [tok.decode(r.tolist()) for r in batch.ragged("response_tokens")]
-        rules = np.array([rule_score(r, a) for r, a in zip(responses, batch.answers())], np.float32)
-        verdicts = self.judge.score(list(zip(questions, responses))) if self.judge else [None] * len(batch)
-        parse_fail = np.array([self.judge is not None and v is None for v in verdicts], np.int8)
-        batch.rule_score = rules
-        batch.genrm_score = np.array([rc.parse_fail_score if v is None else v for v in verdicts], np.float32)
-        batch.parse_fail = parse_fail
-        batch.reward = np.array([combine_reward(v, r, rc.mode, rc.alpha, rc.beta, rc.parse_fail_score)
-                                 for v, r in zip(verdicts, rules)], np.float32)
+        rows = ScoringRows(prompts=[tok.decode(p.tolist()) for p in batch.ragged("prompt_tokens")],
+                           responses=[tok.decode(r.tolist()) for r in batch.ragged("response_tokens")],
+                           answers=batch.answers(), metadata=row_metadata(batch.sample_id, batch.prompt_id, batch.owner,
+                                                                          batch.response_len, batch.finish))
+        got = self.terms.score(rows)
+        batch.rule_score, batch.genrm_score, batch.parse_fail, batch.reward = \
+            got.rule_score, got.genrm_score, got.parse_fail, got.reward
+        for name, values in got.values.items():  # reward/<name>/mean (runtime/summary.py)
+            self.stats.add(f"reward_term/{name}", float(values.sum()))
+        self.stats.add("reward_term_samples", len(batch))
         return batch
 
     # ------------------------------------------------------------------ checkpoint hooks

@@ -69,6 +69,7 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         "balance/moved_groups": _max_value(reports, "balance_moved", default=0.0),
         "control/leader_peak_held_samples": float(leader_report["peak_held"]),
     }
+    out.update(_term_means(reports))
     for group in GROUPS:
         members = [r for r in reports if r["group"] == group]
         busy = sum(sum(r["times"].values()) for r in members) / max(len(members), 1)
@@ -76,6 +77,14 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         out[f"memory/peak_rss_mb/{group}"] = max(r["peak_rss_mb"] for r in members)
         out[f"control/peak_held_samples/{group}"] = float(max(r["peak_held"] for r in members))
     return out
+
+
+def _term_means(reports: list[dict]) -> dict[str, float]:
+    """`reward/<term>/mean`: each reward term's unweighted score averaged over every sample the GenRM ranks
+    scored in the step (groups that over-dispatch or dynamic sampling then dropped included)."""
+    scored = max(_sum(reports, "reward_term_samples", "genrm"), 1.0)
+    keys = sorted({k for r in reports if r["group"] == "genrm" for k in r["values"] if k.startswith("reward_term/")})
+    return {f"reward/{k.removeprefix('reward_term/')}/mean": _sum(reports, k, "genrm") / scored for k in keys}
 
 
 def run_summary(history: list[dict], wall_seconds: float) -> dict:
