@@ -110,6 +110,11 @@ def test_a_user_function_scores_every_row_with_its_metadata():
     assert rows.metadata[1] == {"sample_id": 101, "prompt_id": 0, "owner": 0, "response_tokens": 3, "finish": "stop"}
 
 
+def test_metadata_holds_the_rows_own_columns_under_the_samples_keys():
+    meta = row_metadata([7], [3], [1], [5], [1], extra=[{"level": 2, "sample_id": "theirs"}])
+    assert meta == [{"level": 2, "sample_id": 7, "prompt_id": 3, "owner": 1, "response_tokens": 5, "finish": "length"}]
+
+
 def test_a_batched_user_function_takes_lists_once():
     reward_fns.CALLS.clear()
     terms = RewardTerms([_term("has", "function", function=f"{FNS}:answer_in_response", batched=True),

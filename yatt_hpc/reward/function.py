@@ -6,12 +6,12 @@
     def penalty_batched(prompts: list[str], responses: list[str], answers: list[str],
                         metadata: list[dict]) -> list[float]: ...   # with `batched: true`
 
-`metadata` holds the sample's `sample_id`, `prompt_id` (its data position at the owning trainer replica),
-`owner` (that replica's world rank), `response_tokens` (the response's length in policy tokens) and
-`finish` (`stop`, `length` or `abort`). The module must be importable on every GenRM rank (installed, or
-its directory on PYTHONPATH). A function that raises, or returns anything but a finite number, stops the
-run with one `RewardError` naming the term, the row and the function's own traceback: a failed row is
-never scored 0 in silence.
+`metadata` holds the row's own metadata columns (when the batch carries them) and the sample's `sample_id`,
+`prompt_id` (its data position at the owning trainer replica), `owner` (that replica's world rank),
+`response_tokens` (the response's length in policy tokens) and `finish` (`stop`, `length` or `abort`).
+The module must be importable on every GenRM rank (installed, or its directory on PYTHONPATH). A function
+that raises, or returns anything but a finite number, stops the run with one `RewardError` naming the
+term, the row and the function's own traceback: a failed row is never scored 0 in silence.
 """
 from __future__ import annotations
 
@@ -113,11 +113,13 @@ class FunctionTerm:
         return f"reward term {self.name!r} (function {self.spec})"
 
 
-def row_metadata(sample_id, prompt_id, owner, response_tokens, finish) -> list[dict]:
-    """The `metadata` dict of each sample, from the batch columns of the same names."""
-    return [{"sample_id": int(s), "prompt_id": int(p), "owner": int(o), "response_tokens": int(n),
+def row_metadata(sample_id, prompt_id, owner, response_tokens, finish, extra: Sequence[dict] | None = None) -> list[dict]:
+    """The `metadata` dict of each sample, from the batch columns of the same names, over the row's own
+    columns `extra` (the dataset's metadata; on a clash of names the sample's keys win)."""
+    extra = extra if extra is not None else [{}] * len(sample_id)
+    return [{**e, "sample_id": int(s), "prompt_id": int(p), "owner": int(o), "response_tokens": int(n),
              "finish": FINISH.get(int(f), str(int(f)))}
-            for s, p, o, n, f in zip(sample_id, prompt_id, owner, response_tokens, finish, strict=True)]
+            for s, p, o, n, f, e in zip(sample_id, prompt_id, owner, response_tokens, finish, extra, strict=True)]
 
 
 def _row(meta: dict, prompt: str) -> str:
