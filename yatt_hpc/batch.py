@@ -4,17 +4,20 @@
     batch.select(index); SampleBatch.concat([a, b]); batch.sorted_by_id(); batch.ragged("response_tokens")
 
 Per-sample columns hold one value per sample; the RAGGED token columns are stored flat, with a
-per-sample length column (`prompt_len`, `response_len`, `answer_len`, and `response_len` again for
-`logprobs`). `comm.transport` moves a batch between ranks as raw buffers; the trainer, the engines
-and the judge read it. Nothing else about a sample exists outside these columns.
+per-sample length column (`prompt_len`, `response_len`, `answer_len`, `question_len`, `metadata_len`,
+and `response_len` again for `logprobs`). `question` is the user's text (not the templated prompt),
+`metadata` the row's other columns as JSON; both reach the reward terms. `comm.transport` moves a
+batch between ranks as raw buffers; the trainer, the engines and the judge read it. Nothing else
+about a sample exists outside these columns.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-RAGGED = ("prompt_tokens", "response_tokens", "logprobs", "answer")
+RAGGED = ("prompt_tokens", "response_tokens", "logprobs", "answer", "question", "metadata")
 
 
 @dataclass
@@ -31,6 +34,10 @@ class SampleBatch:
     logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # per response token
     answer_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     answer: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # utf-8 bytes
+    question_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    question: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # utf-8 bytes
+    metadata_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    metadata: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # utf-8 JSON object
     finish: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))  # 0 stop, 1 length, 2 abort
     reward: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     rule_score: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
@@ -61,6 +68,12 @@ class SampleBatch:
 
     def answers(self) -> list[str]:
         return [a.tobytes().decode("utf-8") for a in self.ragged("answer")]
+
+    def questions(self) -> list[str]:
+        return [q.tobytes().decode("utf-8") for q in self.ragged("question")]
+
+    def metadatas(self) -> list[dict]:
+        return [json.loads(m.tobytes().decode("utf-8")) if m.size else {} for m in self.ragged("metadata")]
 
     def select(self, index: np.ndarray) -> SampleBatch:
         """A new batch with the samples at `index`, in that order."""

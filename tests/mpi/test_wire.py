@@ -39,5 +39,7 @@ def test_sorted_by_id_and_select_keep_ragged_columns_aligned():
     assert list(ordered.sample_id) == sorted(batch.sample_id)
     for i, sid in enumerate(ordered.sample_id):
         j = int(np.flatnonzero(batch.sample_id == sid)[0])
-        for col in ("prompt_tokens", "response_tokens", "logprobs", "answer"):
+        for col in ("prompt_tokens", "response_tokens", "logprobs", "answer", "question", "metadata"):
             np.testing.assert_array_equal(ordered.ragged(col)[i], batch.ragged(col)[j])
+    assert ordered.metadatas() == [{"k": 1}] * len(batch)
+    assert [len(q) for q in ordered.questions()] == [len(a) + 1 for a in ordered.answers()]

@@ -28,6 +28,8 @@ def make_batch(seed: int) -> SampleBatch:
         response_len=rlen, response_tokens=rng.integers(0, 50, rlen.sum()).astype(np.int32),
         logprobs=rng.standard_normal(rlen.sum()).astype(np.float32), answer_len=alen,
         answer=rng.integers(97, 123, alen.sum()).astype(np.uint8), finish=np.zeros(n, np.int8),
+        question_len=alen + 1, question=rng.integers(97, 123, alen.sum() + n).astype(np.uint8),
+        metadata_len=np.full(n, 8, np.int32), metadata=np.frombuffer(b'{"k": 1}' * n, np.uint8).copy(),
         reward=rng.random(n).astype(np.float32), rule_score=np.zeros(n, np.float32),
         genrm_score=np.zeros(n, np.float32), parse_fail=np.zeros(n, np.int8))
 

@@ -52,6 +52,8 @@ BAD = [
     pytest.param(["placement.rollout.tasks_per_node=0"], ["placement.rollout.tasks_per_node", "0"], id="zero-rollout-ranks"),
     pytest.param(["train.steps"], ["is not of the form section.field=value"], id="override-without-value"),
     pytest.param(["checkpoint.keep_last=1"], ["checkpoint.keep_last", "greater than or equal to 2"], id="keep-last-1"),
+    pytest.param(["data.source=x.jsonl", "data.num_prompts=10"], ["data.num_prompts=10 sizes the demo task only"],
+                 id="num-prompts-with-a-file"),
     pytest.param(["train.lr=inf"], ["train.lr", "'inf'", "finite number"], id="lr-inf"),
     pytest.param(["checkpoint.stop_grace_s=nan"], ["checkpoint.stop_grace_s", "finite number"], id="grace-nan"),
     pytest.param(["slurm.time=abc"], ["slurm.time='abc' is not a Slurm time limit", "4:00:00"], id="slurm-time"),

@@ -41,7 +41,13 @@ EFFECT: dict[str, str] = {
     "data.answer_key": f"{EFFECTS}::test_prompt_and_answer_keys_select_the_jsonl_fields",
     "data.num_prompts": "tests/unit/test_prompts.py::test_build_prompt_source_follows_the_data_config",
     "data.seed": "tests/unit/test_prompts.py::test_build_prompt_source_follows_the_data_config",
-    "data.max_prompt_tokens": "tests/unit/test_prompts.py::test_prompts_over_the_token_limit_fail_up_front_naming_the_row",
+    "data.max_prompt_tokens": "tests/unit/test_prompts.py::test_prompts_over_the_token_limit_fail_when_read_naming_the_row",
+    "data.format": "tests/unit/test_chat_prompts.py::test_format_text_keeps_the_prompt_string_as_the_models_input",
+    "data.messages_key": "tests/unit/test_chat_prompts.py::test_messages_key_names_the_column_of_the_messages",
+    "data.system_prompt": "tests/unit/test_chat_prompts.py::"
+                          "test_messages_and_prompt_strings_go_through_the_tokenizers_chat_template",
+    "data.chat_template": "tests/unit/test_chat_prompts.py::test_a_chat_template_file_overrides_the_tokenizers",
+    "data.metadata_columns": "tests/unit/test_datasets.py::test_metadata_columns_select_what_reward_functions_see",
     # ---------------------------------------------------------------- train (MegatronPolicy takes cfg.train)
     "train.steps": "tests/mpi/test_grpo_run.py::test_metrics_are_consistent",
     "train.seed": f"{EFFECTS}::test_train_seed_seeds_the_rollout_engine",
@@ -161,6 +167,9 @@ EFFECT: dict[str, str] = {
 }
 
 REFUSED: dict[str, str] = {
+    "data.system_prompt": "tests/unit/test_chat_prompts.py::test_chat_fields_are_refused_in_text_format",
+    "data.chat_template": "tests/unit/test_chat_prompts.py::test_chat_fields_are_refused_in_text_format",
+    "data.num_prompts": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
     "model.dtype": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",
     "train.steps": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
     "train.prompts_per_step": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",

@@ -78,7 +78,8 @@ class DataConfig(Section):
     """Columns passed to reward functions as the row's metadata (JSON values); null passes every column but the
     prompt, messages and answer; `[]` passes none."""
     num_prompts: int = Field(4096, ge=1)
-    """Size of the generated demo prompt set (ignored for file sources)."""
+    """Size of the generated demo prompt set (`demo:` sources only; a file source uses all its rows, and another
+    value with a file source is refused)."""
     seed: int = 1234
     """Seed of the per-epoch prompt permutation; the order is a pure function of (seed, epoch, position)."""
     max_prompt_tokens: int = Field(1024, ge=1)
@@ -86,6 +87,11 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _chat_fields_need_chat(self) -> DataConfig:
+        demo = self.source == "demo" or self.source.startswith("demo:")
+        if not demo and self.num_prompts != DataConfig.model_fields["num_prompts"].default:
+            raise ValueError(f"data.num_prompts={self.num_prompts} sizes the demo task only, but data.source is the "
+                             f"file source {self.source!r}, which uses all its rows; drop data.num_prompts (or "
+                             "write the subset you want to a file)")
         if self.format == "text":
             given = [f for f in ("system_prompt", "chat_template") if getattr(self, f) is not None]
             if given:

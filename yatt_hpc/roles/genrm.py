@@ -137,10 +137,12 @@ class GenRMController(BaseController):
         """Reward = sum of weight x term (`reward.terms`, or the `reward.mode` shorthand); rule_score is the first
         exact/math/function term (else the exact verifier, a metric only), genrm_score the judge's score."""
         tok = self.policy_tokenizer
-        rows = ScoringRows(prompts=[tok.decode(p.tolist()) for p in batch.ragged("prompt_tokens")],
-                           responses=[tok.decode(r.tolist()) for r in batch.ragged("response_tokens")],
+        # the user's question as the row gave it (not the chat-templated prompt); decoded tokens if a batch has none
+        questions = [q or tok.decode(p.tolist()) for q, p in zip(batch.questions(), batch.ragged("prompt_tokens"))]
+        rows = ScoringRows(prompts=questions, responses=[tok.decode(r.tolist()) for r in batch.ragged("response_tokens")],
                            answers=batch.answers(), metadata=row_metadata(batch.sample_id, batch.prompt_id, batch.owner,
-                                                                          batch.response_len, batch.finish))
+                                                                          batch.response_len, batch.finish,
+                                                                          extra=batch.metadatas()))
         got = self.terms.score(rows)
         batch.rule_score, batch.genrm_score, batch.parse_fail, batch.reward = \
             got.rule_score, got.genrm_score, got.parse_fail, got.reward

@@ -27,6 +27,7 @@ exactly that share, nothing more.
 """
 from __future__ import annotations
 
+import json
 import logging
 import socket
 from pathlib import Path
@@ -200,6 +201,8 @@ class TrainerController(BaseController):
         rows = [self.source.row_at(int(p)) for p in positions]
         prompts = [np.asarray(self.source.encode(r), np.int32) for r in rows]  # data.format, length checked
         answers = [np.frombuffer(r["answer"].encode(), np.uint8) for r in rows]
+        questions = [np.frombuffer(r["question"].encode(), np.uint8) for r in rows]
+        metadata = [np.frombuffer(json.dumps(r["metadata"]).encode() if r["metadata"] else b"", np.uint8) for r in rows]
         rep = np.repeat(np.arange(len(rows)), self.n)
         batch = SampleBatch(
             sample_id=np.repeat(positions, self.n) * self.n + np.tile(np.arange(self.n), len(rows)),
@@ -209,6 +212,10 @@ class TrainerController(BaseController):
             prompt_tokens=np.concatenate([prompts[i] for i in rep]) if rows else np.zeros(0, np.int32),
             answer_len=np.array([len(answers[i]) for i in rep], np.int32),
             answer=np.concatenate([answers[i] for i in rep]) if rows else np.zeros(0, np.uint8),
+            question_len=np.array([len(questions[i]) for i in rep], np.int32),
+            question=np.concatenate([questions[i] for i in rep]) if rows else np.zeros(0, np.uint8),
+            metadata_len=np.array([len(metadata[i]) for i in rep], np.int32),
+            metadata=np.concatenate([metadata[i] for i in rep]) if rows else np.zeros(0, np.uint8),
         )
         groups_to = self.router.assign(self.routes, [self.n * (len(p) + self.expected_response) for p in prompts])
         rank_of = np.repeat(np.asarray(groups_to, np.int64), self.n)
