@@ -8,7 +8,7 @@ STAMP     := $(VENV)/.installed
 RUN_DIR   ?= runs/demo
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-unit system-deps cluster-start cluster-stop bench lint clean
+.PHONY: install demo test test-faults test-unit system-deps cluster-start cluster-stop bench lint clean
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ demo: install system-deps
 
 test: install
 	bash tools/run-tests.sh $(PYTEST_ARGS)
+
+test-faults: install
+	YATT_FULL_FAULT_MATRIX=1 $(PY) -m pytest tests/mpi/test_faults.py tests/slurm/test_faults.py -q $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest tests/unit tests/golden -q $(PYTEST_ARGS)

@@ -115,10 +115,14 @@ def resume(run_dir, mode, extra=()):
 # The rerun does not depend on which rank died (it restarts every rank from the latest checkpoint):
 # it runs on the diagonal, one group per placement; every case checks the checkpoint it would load.
 RERUN = {("colocate", "trainer"), ("partial", "rollout"), ("disjoint", "genrm")}
+# `make test` (CI) runs the diagonal, one group per placement, each with its rerun; the other six cases
+# of the 3 x 3 matrix run with YATT_FULL_FAULT_MATRIX=1 (`make test-faults`, tools/soak.sh faults).
+FULL_MATRIX = os.environ.get("YATT_FULL_FAULT_MATRIX") == "1"
+CASES = [(m, g) for m in ("colocate", "partial", "disjoint") for g in ("trainer", "rollout", "genrm")
+         if FULL_MATRIX or (m, g) in RERUN]
 
 
-@pytest.mark.parametrize("mode", ["colocate", "partial", "disjoint"])
-@pytest.mark.parametrize("group", ["trainer", "rollout", "genrm"])
+@pytest.mark.parametrize("mode, group", [pytest.param(m, g, id=f"{g}-{m}") for m, g in CASES])
 def test_a_killed_rank_ends_the_run_named_and_the_rerun_resumes(mpirun, session, tmp_path, mode, group):
     run_dir = tmp_path / "run"
     rank = RANK_OF[group]

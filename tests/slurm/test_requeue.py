@@ -30,9 +30,9 @@ from yatt_hpc.launch.submitit_exec import submit_run
 from yatt_hpc.placement import plan
 
 DEMO = str(REPO / "configs/demo_cpu.yaml")
-STEPS = 40
+STEPS = 20
 ARGS = (f"train.steps={STEPS}", "train.prompts_per_step=8", "rollout.samples_per_prompt=4",
-        "checkpoint.interval=5", "logging.progress=false")
+        "checkpoint.interval=4", "logging.progress=false")
 SLURM_ARGS = ("slurm.env.OMPI_MCA_btl=self,tcp", "slurm.time=00:30:00", "slurm.max_requeues=3")
 
 
@@ -86,7 +86,7 @@ def logs(run_dir: Path) -> str:
 def test_scontrol_requeue_mid_run_resumes_and_completes(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     sub = submit(run_dir)
-    wait_steps(run_dir, 8)
+    wait_steps(run_dir, 6)
     subprocess.run(["scontrol", "requeue", sub.job_id], check=True)
     states = wait_job(sub.job_id, poll_s=1, timeout_s=400)
     assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
@@ -99,7 +99,7 @@ def test_scontrol_requeue_mid_run_resumes_and_completes(slurm_cluster, uninterru
 def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     sub = submit(run_dir, "slurm.partition=debug")
-    wait_steps(run_dir, 8)
+    wait_steps(run_dir, 6)
     # a job on the high-priority partition that needs every node preempts ours
     high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--nodes=4", "--time=2",
                            f"--output={tmp_path}/high-%j.out", "--wrap", "sleep 5"],
@@ -116,7 +116,7 @@ def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted
 def test_sigkilled_job_resumes_from_periodic_checkpoint_after_resubmission(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     sub = submit(run_dir)
-    wait_steps(run_dir, 12)
+    wait_steps(run_dir, 10)
     # SIGKILL to every rank at once, each found by the pid it logged and checked to be this job's
     # (`scancel --signal=KILL` would be a graceful cancel: SIGTERM first, and the ranks would save)
     pids = [job_rank_pid(run_dir, rank, sub.job_id, time.monotonic() + 60) for rank in range(4)]
