@@ -38,7 +38,8 @@ def what_runs(cfg: RunConfig) -> list[str]:
     """The model, precision, engines and sampling the ranks will build, in words."""
     m, r = cfg.model, cfg.rollout
     precision = "bfloat16 parameters, fp32 master weights and AdamW state" if m.dtype == "bfloat16" else m.dtype
-    judge = "off (reward.mode=rule_only)" if cfg.reward.mode == "rule_only" else f"{r.engine} engine, {m.dtype}"
+    judge = "off (reward.mode=rule_only)" if cfg.reward.mode == "rule_only" else \
+        f"{r.engine} engine, {cfg.reward.judge_dtype or m.dtype}"
     return [f"trainer: Megatron-Core from {m.path} (arch {m.arch}), {precision}",
             f"rollout: {r.engine} engine, {m.dtype}, weights synced in {m.dtype}; sampling temperature "
             f"{r.temperature:g} (the trainer scores at the same temperature), top_p {r.top_p:g}",
