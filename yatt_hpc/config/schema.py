@@ -157,7 +157,7 @@ class RolloutConfig(Section):
     replica) or `sglang` (GPU only, tensor-parallel replicas, `pip install yatt-hpc[gpu]`)."""
     samples_per_prompt: int = Field(8, ge=1)
     """GRPO group size n: responses sampled per prompt."""
-    max_new_tokens: int = Field(16, ge=1)
+    max_new_tokens: int = Field(1024, ge=1)
     """Maximum response length in tokens."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature."""
@@ -272,7 +272,7 @@ class RewardConfig(Section):
     terms `genrm` (weight alpha) and `rule` (kind exact, weight beta)."""
     parse_fail_score: float = Field(0.0, ge=0, le=1)
     """Score given when the judge's verdict cannot be parsed (counted as reward/genrm_parse_fail)."""
-    verdict_max_tokens: int = Field(4, ge=1)
+    verdict_max_tokens: int = Field(512, ge=1)
     """Tokens the judge may generate for its verdict (a reasoning judge needs hundreds; the parsers read the
     final verdict)."""
     verdict_temperature: float = Field(0.0, ge=0)
