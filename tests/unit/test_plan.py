@@ -62,8 +62,9 @@ IMPOSSIBLE = [
         id="tp-not-dividing-ranks"),
     pytest.param(("placement.trainer.dp=4",), "placement.trainer.dp=4 but 2 ranks", id="dp-mismatch"),
     pytest.param(("placement.trainer.devices_per_task=2",), "drives exactly one device", id="trainer-two-devices"),
-    pytest.param(("placement.rollout.tp=2",), "needs GPUs but devices_per_task=0", id="cpu-engine-tp2"),
-    pytest.param(("placement.rollout.tp=2", "placement.rollout.devices_per_task=3"), "does not divide devices_per_task=3",
+    # (an hf engine with tp > 1, e.g. a CPU one, is refused by the config already: tests/unit/test_config.py)
+    pytest.param(("rollout.engine=sglang", "placement.rollout.tp=2", "placement.rollout.devices_per_task=3",
+                  "placement.genrm.devices_per_task=1"), "does not divide devices_per_task=3",
         id="engine-tp-not-dividing-devices"),
     pytest.param(("placement.genrm.cp=2",), "context parallelism is a trainer feature", id="engine-cp"),
     pytest.param(("placement.trainer.pp=2", "placement.trainer.dp=null"), "placement.trainer.pp=2: pipeline "

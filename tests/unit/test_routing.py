@@ -33,4 +33,5 @@ def test_every_replica_is_served_once(name, overrides):
 def test_1024_gpu_weight_sync_spreads_over_replicas():
     r = Routes(plan(load_config(REPO / "configs/qwen2_7b_disjoint_1024gpu.yaml")))
     loads = [len(r.weight_targets_of(d)) for d in range(r.dp)]
-    assert max(loads) == 6 and min(loads) == 6  # 192 rollout replicas over 32 trainer replicas
+    # 192 rollout replicas over 128 trainer replicas: each sends to one or two, every rollout rank gets one
+    assert (min(loads), max(loads), sum(loads)) == (1, 2, 192)
