@@ -25,7 +25,7 @@ CPU = {"model.dtype": "float32", "rollout.engine": "hf", "placement.mode": "colo
        "rollout.samples_per_prompt": "4", "rollout.max_new_tokens": "12", "data.max_prompt_tokens": "48",
        "data.system_prompt": "null", "reward.genrm_path": str(REPO / "models/demo/judge"),
        "reward.judge_template": "'{question}{response}\nCorrect? '", "reward.judge_parser": "yes_no",
-       "reward.judge_score_max": "1", "reward.verdict_max_tokens": "4", "checkpoint.interval": "2",
+       "reward.verdict_max_tokens": "4", "checkpoint.interval": "2",
        "logging.progress": "false"}
 
 
@@ -61,5 +61,6 @@ def test_the_example_config_trains_shrunk_to_the_cpu(mpirun, tmp_path):
     for r in got:
         for term in ("correct", "boxed", "brevity", "judge"):
             assert f"reward/{term}/mean" in r, sorted(r)
-        assert r["reward/brevity/mean"] > 0.9  # 12-token responses: the user function ran on the GenRM rank
+        # the user function ran on the GenRM rank: 1 for a response that stopped (<= 12 tokens), 0 if truncated
+        assert 0 < r["reward/brevity/mean"] <= 1
         assert r["reward/genrm_parse_fail"] < 0.5  # the short template fits the demo judge
