@@ -162,6 +162,7 @@ def main() -> None:
     ap.add_argument("--slurm-repeats", type=int, default=2)
     ap.add_argument("--slurm-timeout", type=float, default=400.0)
     args = ap.parse_args()
+    (REPO / "runs").mkdir(exist_ok=True)  # a fresh checkout has no runs/ yet
     root = Path(tempfile.mkdtemp(prefix="preempt_", dir=REPO / "runs"))  # under the repo: Slurm nodes see it
     try:
         local = local_cycles(args, root / "local")
