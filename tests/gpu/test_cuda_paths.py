@@ -21,8 +21,8 @@ if not torch.cuda.is_available():
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the bitwise checks
 torch.use_deterministic_algorithms(True)
 
+from tests.batches import random_update_batch as _batch  # noqa: E402
 from tests.mpi.convert_tp2_worker import TINY_CASES, tiny_hf_model  # noqa: E402
-from yatt_hpc.batch import SampleBatch  # noqa: E402
 from yatt_hpc.config.schema import TrainConfig  # noqa: E402
 from yatt_hpc.rollout import GenerationRequest, build_engine  # noqa: E402
 from yatt_hpc.train import convert  # noqa: E402
@@ -52,15 +52,6 @@ def test_megatron_logits_on_cuda_equal_hf_logits(nccl_world, case):
     assert (got - expected).abs().max().item() <= 1e-4
 
 
-def _batch(vocab: int, samples: int = 8, seed: int = 0) -> tuple[SampleBatch, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    plen, rlen = rng.integers(4, 10, samples), rng.integers(2, 12, samples)
-    batch = SampleBatch(
-        sample_id=np.arange(samples, dtype=np.int64), prompt_id=np.arange(samples, dtype=np.int64) // 4,
-        prompt_len=plen.astype(np.int32), prompt_tokens=rng.integers(3, vocab, plen.sum()).astype(np.int32),
-        response_len=rlen.astype(np.int32), response_tokens=rng.integers(3, vocab, rlen.sum()).astype(np.int32),
-        logprobs=np.full(rlen.sum(), -2.0, np.float32))
-    return batch, np.where(np.arange(samples) % 2 == 0, 1.0, -1.0).astype(np.float32)
 
 
 def _policy():

@@ -10,21 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from yatt_hpc.batch import SampleBatch
+from tests.batches import random_update_batch as _batch
 from yatt_hpc.config.schema import TrainConfig
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 
 
-def _batch(vocab: int, samples: int = 8, seed: int = 0) -> tuple[SampleBatch, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    plen, rlen = rng.integers(4, 10, samples), rng.integers(2, 12, samples)
-    batch = SampleBatch(
-        sample_id=np.arange(samples, dtype=np.int64), prompt_id=np.arange(samples, dtype=np.int64) // 4,
-        prompt_len=plen.astype(np.int32), prompt_tokens=rng.integers(3, vocab, plen.sum()).astype(np.int32),
-        response_len=rlen.astype(np.int32), response_tokens=rng.integers(3, vocab, rlen.sum()).astype(np.int32),
-        logprobs=np.full(rlen.sum(), -2.0, np.float32))
-    return batch, np.where(np.arange(samples) % 2 == 0, 1.0, -1.0).astype(np.float32)
 
 
 def _policy(dtype=torch.float32, temperature=1.0):
