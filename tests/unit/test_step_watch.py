@@ -116,3 +116,53 @@ def test_step_exit_timeout_s_is_how_long_the_launcher_waits_for_srun_after_the_l
     assert watch.wait(srun) == 0 and watch.ended_srun
     # the records are seen at the first poll; srun is ended at the first poll timeout_s after that
     assert timeout_s <= srun.killed_at - watch.poll_s < timeout_s + watch.poll_s, srun.killed_at
+
+
+class _Steps:
+    """Stands for `SlurmSteps`: Slurm runs the step for the first `alive_polls` questions, then no longer."""
+
+    def __init__(self, alive_polls: int) -> None:
+        self.asked, self.alive_polls = 0, alive_polls
+
+    def alive(self) -> bool:
+        self.asked += 1
+        return self.asked <= self.alive_polls
+
+
+@pytest.mark.parametrize("codes, expect", [
+    pytest.param({}, 1, id="no-record-at-all"),
+    pytest.param({0: 0, 1: 3}, 3, id="some-records"),
+])
+def test_a_srun_that_outlives_a_step_slurm_cancelled_is_ended_with_a_failing_code(tmp_path, monkeypatch, codes, expect):
+    """MPI_Abort -> Slurm cancels the step and SIGKILLs every task, shims included: no full set of exit
+    records ever comes, and srun can still hang (SchedMD 16817). Slurm's own step list ends the wait."""
+    import types
+
+    from yatt_hpc.launch import launcher
+
+    _records(tmp_path, codes)
+    clock = _Clock()
+    monkeypatch.setattr(launcher, "time", types.SimpleNamespace(monotonic=clock))
+    srun = _SrunThatNeverReturns(clock)
+    watch = StepWatch(tmp_path, world_size=4, timeout_s=20.0, poll_s=0.5, steps=_Steps(alive_polls=10))
+    assert watch.wait(srun) == expect and watch.ended_srun
+    assert 10 * 0.5 + 20.0 <= srun.killed_at <= 10 * 0.5 + 20.0 + 1.0, srun.killed_at
+
+
+def test_slurm_steps_reads_squeue_and_knows_nothing_before_the_step_appears(tmp_path, monkeypatch):
+    from yatt_hpc.launch.launcher import SlurmSteps
+
+    listing = tmp_path / "steps"
+    fake = tmp_path / "bin" / "squeue"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\ncat {listing}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    steps = SlurmSteps(["474", "475"], poll_s=0)
+    listing.write_text("474.batch\n474.extern\n")
+    assert steps.alive() is None, "no step of ours seen yet: srun may not have registered it"
+    listing.write_text("474.batch\n474.0\n475.0\n")
+    assert steps.alive() is True
+    assert (tmp_path / "args").read_text().split() == ["-h", "--steps", "-j", "474,475", "-o", "%i"]
+    listing.write_text("474.batch\n")
+    assert steps.alive() is False

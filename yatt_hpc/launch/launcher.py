@@ -36,6 +36,7 @@ from yatt_hpc.placement import Plan, plan
 from yatt_hpc.sched.requeue import stop_record_name
 
 FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+EXIT_STEP_ENDED_BY_SLURM = 1  # the code of a step Slurm ended without any rank recording a failure
 _WORKER_LINE = re.compile(r"yatt-hpc \[(?P<group>\w+) rank (?P<rank>\d+)\] (?:failed|error): (?P<what>.*)")
 _SRUN_LINE = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.*)")
 _MPIRUN_LINE = re.compile(r"process rank (?P<rank>\d+) with PID \d+ on node (?P<node>\S+) exited on signal "
@@ -99,7 +100,7 @@ def launch_in_allocation(run_dir: Path, slurm: SlurmEnv, program: Sequence[str] 
     env[EXIT_DIR_ENV] = str(exits)
     _say(f"starting {p.world_size} ranks ({p.mode}): {render(argv)}")
     start = time.monotonic()
-    watch = step_watch_for(cfg, p, exits)
+    watch = step_watch_for(cfg, p, exits, slurm)
     code, stderr_lines, signals = _run_step(argv, env, run_dir / "logs" / f"step_{tag}.err", watch)
     if code and gave_up_step(run_dir / "logs" / stop_record_name(slurm.job_id, slurm.restart_count)):
         _say(f"the step exited {code} after giving up a step with its checkpoint committed: a stop")
@@ -222,19 +223,53 @@ def _run_step(argv: list[str], env: dict[str, str], stderr_path: Path,
     return code, stderr_path.read_text(errors="replace").splitlines(keepends=True), signals
 
 
-class StepWatch:
-    """Wait for srun, but no longer than `timeout_s` after every rank has written its exit record.
+class SlurmSteps:
+    """Whether Slurm still runs a job step of this allocation (the batch shell's own steps aside).
 
-    The records (`rank_group.write_exit_record`, one per world rank, written by the task's shim after
-    the rank's process has exited) are the truth about the step; srun's return is only the usual way
-    to learn it. Slurm 22.05-24.05's mpi/pmix plugin starts one abort agent per heterogeneous
-    component over one shared thread handle and can then wait forever for one of them at the end of
-    the step (SchedMD ticket 16817, fixed in 24.11 by commit a2e9643): every rank has exited, srun has
-    not. Then srun is killed (its shepherd process cancels the step) and the exit code is the ranks'.
+    `alive()` asks `squeue --steps` for every component's job id at most every `poll_s`; None until a
+    step has been seen (srun registers it a moment after it starts) and when squeue cannot answer."""
+
+    _OWN = (".batch", ".extern", ".interactive")
+
+    def __init__(self, job_ids: Sequence[str], poll_s: float = 5.0):
+        self.job_ids, self.poll_s = [j for j in job_ids if j], poll_s
+        self.seen, self._asked_at, self._last = False, None, None
+
+    def alive(self) -> bool | None:
+        now = time.monotonic()
+        if not self.job_ids or (self._asked_at is not None and now - self._asked_at < self.poll_s):
+            return self._last
+        self._asked_at = now
+        try:
+            out = subprocess.run(["squeue", "-h", "--steps", "-j", ",".join(self.job_ids), "-o", "%i"],
+                                 capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return self._last
+        if out.returncode != 0:
+            return self._last
+        running = [s for s in out.stdout.split() if not s.endswith(self._OWN)]
+        self.seen = self.seen or bool(running)
+        self._last = bool(running) if self.seen else None
+        return self._last
+
+
+class StepWatch:
+    """Wait for srun, but no longer than `timeout_s` after the step is over by other evidence.
+
+    The step is over when every rank has written its exit record (`rank_group.write_exit_record`, one
+    per world rank, written by the task's shim after the rank's process has exited), or when Slurm no
+    longer runs any step of ours (`steps`): a step Slurm cancelled (MPI_Abort, --kill-on-bad-exit)
+    SIGKILLs the shims too, so their records never come. srun's return is only the usual way to learn
+    it. Slurm 22.05-24.05's mpi/pmix plugin starts one abort agent per heterogeneous component over
+    one shared thread handle and can then wait forever for one of them at the end of the step (SchedMD
+    ticket 16817, fixed in 24.11 by commit a2e9643): every rank has exited, srun has not. Then srun is
+    killed (its shepherd process cancels the step) and the exit code is the ranks'.
     """
 
-    def __init__(self, directory: Path, world_size: int, timeout_s: float, poll_s: float = 0.5):
+    def __init__(self, directory: Path, world_size: int, timeout_s: float, poll_s: float = 0.5,
+                 steps: SlurmSteps | None = None):
         self.directory, self.world_size, self.timeout_s, self.poll_s = directory, world_size, timeout_s, poll_s
+        self.steps = steps
         self.ended_srun = False
 
     def records(self) -> list[dict]:
@@ -246,36 +281,56 @@ class StepWatch:
                 continue
         return out
 
+    def _over(self) -> str | None:
+        if len(self.records()) >= self.world_size:
+            return "records"
+        if self.steps is not None and self.steps.alive() is False:
+            return "slurm"
+        return None
+
     def wait(self, proc: subprocess.Popen) -> int:
-        all_exited_at = None
+        over_at, how = None, None
         while True:
             try:
                 return proc.wait(timeout=self.poll_s)
             except subprocess.TimeoutExpired:
                 pass
-            if all_exited_at is None:
-                if len(self.records()) >= self.world_size:
-                    all_exited_at = time.monotonic()
+            if over_at is None:
+                how = self._over()
+                if how is not None:
+                    over_at = time.monotonic()
                 continue
-            if time.monotonic() - all_exited_at < self.timeout_s:
+            if how == "slurm" and self._over() == "records":
+                how = "records"
+            if time.monotonic() - over_at < self.timeout_s:
                 continue
-            return self._end_srun(proc)
+            return self._end_srun(proc, how)
 
-    def _end_srun(self, proc: subprocess.Popen) -> int:
-        code = ranks_exit_code(self.records())
-        _say(f"every one of the {self.world_size} ranks has exited (records in {self.directory}) but srun has not "
-             f"returned {self.timeout_s:g}s later (a known Slurm mpi/pmix hang at the end of heterogeneous steps, "
-             f"SchedMD ticket 16817, fixed in Slurm 24.11): ending srun; the step's exit code is the ranks' ({code})")
+    def _end_srun(self, proc: subprocess.Popen, how: str) -> int:
+        records = self.records()
+        code = ranks_exit_code(records)
+        if how == "records":
+            _say(f"every one of the {self.world_size} ranks has exited (records in {self.directory}) but srun has not "
+                 f"returned {self.timeout_s:g}s later (a known Slurm mpi/pmix hang at the end of heterogeneous steps, "
+                 f"SchedMD ticket 16817, fixed in Slurm 24.11): ending srun; the step's exit code is the ranks' ({code})")
+        else:
+            code = code or EXIT_STEP_ENDED_BY_SLURM  # ranks without a record were killed with their shims
+            _say(f"Slurm no longer runs the step ({len(records)} of {self.world_size} ranks left an exit record; "
+                 f"the others were killed with the step) but srun has not returned {self.timeout_s:g}s later "
+                 f"(the Slurm mpi/pmix hang of SchedMD ticket 16817, fixed in Slurm 24.11): ending srun; "
+                 f"the step's exit code is {code}")
         proc.kill()
         proc.wait()
         self.ended_srun = True
         return code
 
 
-def step_watch_for(cfg, p: Plan, exits: Path) -> StepWatch:
-    """The watch of the step that runs plan `p`: every world rank's exit record under `exits`, then at
-    most `cfg.slurm.step_exit_timeout_s` for srun to return."""
-    return StepWatch(exits, p.world_size, cfg.slurm.step_exit_timeout_s)
+def step_watch_for(cfg, p: Plan, exits: Path, slurm: SlurmEnv | None = None) -> StepWatch:
+    """The watch of the step that runs plan `p`: every world rank's exit record under `exits` (or, in
+    an allocation, Slurm's own list of running steps), then at most `cfg.slurm.step_exit_timeout_s`
+    for srun to return."""
+    steps = SlurmSteps([c.job_id for c in slurm.components]) if slurm is not None and slurm.in_allocation else None
+    return StepWatch(exits, p.world_size, cfg.slurm.step_exit_timeout_s, steps=steps)
 
 
 def ranks_exit_code(records: Sequence[Mapping]) -> int:

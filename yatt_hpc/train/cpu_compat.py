@@ -20,9 +20,8 @@ from __future__ import annotations
 import math
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.utils import GlobalMemoryBuffer
+
+from yatt_hpc.train.mcore import GlobalMemoryBuffer, RotaryEmbedding, parallel_state, tensor_parallel
 
 
 def is_cpu_runtime() -> bool:

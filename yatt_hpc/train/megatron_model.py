@@ -19,15 +19,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
 from transformers.activations import ACT2FN
 
 from yatt_hpc.train import cpu_compat
 from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
+from yatt_hpc.train.mcore import (
+    GPTModel,
+    ModuleSpec,
+    TransformerConfig,
+    get_gpt_layer_local_spec,
+    parallel_state,
+    tensor_parallel,
+)
 
 
 def initialize_model_parallel(

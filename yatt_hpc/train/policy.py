@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from megatron.core import parallel_state
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
@@ -35,6 +34,7 @@ from yatt_hpc.offload import HostParking
 from yatt_hpc.train import convert, megatron_model
 from yatt_hpc.train.grpo import policy_loss
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
+from yatt_hpc.train.mcore import parallel_state
 
 
 @dataclass
