@@ -84,3 +84,6 @@ class BaseController:
 
     def rewind_logs(self, step: int) -> None:
         """Forget per-step logs past `step`."""
+
+    def close(self) -> None:
+        """Free engines and their child processes at the end of the run (the worker calls it once)."""

@@ -156,3 +156,7 @@ class GenRMController(BaseController):
     @property
     def identity(self) -> str:
         return f"genrm/r{self.world.group_rank}"
+
+    def close(self) -> None:
+        if self.judge is not None:
+            self.judge.shutdown()

@@ -72,5 +72,9 @@ class PoolController(BaseController):
     def identity(self) -> str:
         return self.home.identity
 
+    def close(self) -> None:
+        self.rollout.close()
+        self.genrm.close()
+
     def after_resume(self, step: int) -> None:
         self.maybe_receive_weights(step)  # the loop set routes whose next rollout ranks are step's

@@ -112,9 +112,33 @@ def run_rank(group: str, run_dir: Path) -> str:
                            config_yaml).run()
     finally:
         metrics.close()
+    controller.close()  # engines' child processes (SGLang's scheduler) end with the run, not at interpreter exit
+    protocol.close()
     logging.getLogger(__name__).info("done: %s", outcome)
     world.comm.Barrier()
     return outcome
+
+
+def leave(code: int) -> None:
+    """End a rank whose run is over: join our non-daemon threads, finalize MPI, flush, then `os._exit`.
+
+    Everything the run wrote is closed by then; what is skipped is only the interpreter's teardown of
+    torch and transformers' module graph: measured here, 2.9 s per rank after the last step (0.1 s
+    with os._exit), paid by every run of the demo and every test.
+    """
+    import threading
+
+    from mpi4py import MPI
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()  # what interpreter exit would wait for (a checkpoint writer, if one were left)
+    logging.shutdown()
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -141,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"yatt-hpc [{args.group} rank {comm.Get_rank()}] failed: {err.__class__.__name__}: {err} "
               f"(traceback in {log_path})", file=sys.stderr, flush=True)
         comm.Abort(EXIT_BUG)
+    leave(0)
 
 
 if __name__ == "__main__":
