@@ -19,6 +19,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
+# `make test` (CI) runs one case of each fault and recovery path; the cases that repeat a path in
+# another placement or with another trigger run with YATT_FULL_FAULT_MATRIX=1 (`make test-faults`).
+FULL_MATRIX = os.environ.get("YATT_FULL_FAULT_MATRIX") == "1"
+full_matrix_only = pytest.mark.skipif(not FULL_MATRIX, reason="a repeat of a path CI covers: runs in `make test-faults` "
+                                                                  "(YATT_FULL_FAULT_MATRIX=1)")
+
 
 def _unavailable(what: str, env: str, reason: str):
     if os.environ.get(env) == "1":

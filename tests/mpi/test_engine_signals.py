@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, kill_leftovers, leftover_pids, mpi_env, tree_pids, wait_for_log_line
+from tests.conftest import REPO, full_matrix_only, kill_leftovers, leftover_pids, mpi_env, tree_pids, wait_for_log_line
 from tests.mpi.test_exact_resume import finished_steps
 from tests.mpi.test_faults import rank_pid
 from tests.programs.signal_probe import pending_and_blocked
@@ -79,7 +79,7 @@ def held_signals(pid: int, want: set[str], deadline: float) -> set[str]:
 @pytest.mark.parametrize(("spawning", "how"), [
     pytest.param(True, "rank", id="spawning-engine-sigterm-to-rank-and-children"),
     pytest.param(True, "launcher", id="spawning-engine-sigusr2-through-mpirun"),
-    pytest.param(False, "rank", id="plain-engine-sigterm-to-rank"),
+    pytest.param(False, "rank", id="plain-engine-sigterm-to-rank", marks=full_matrix_only),
 ])
 def test_a_stop_signal_with_an_engine_that_spawns_and_takes_sigterm_still_saves_and_stops(mpirun, run_dir, tmp_path,
                                                                                            spawning, how):

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, kill_tree, mpi_env, tree_pids
+from tests.conftest import FULL_MATRIX, REPO, kill_tree, mpi_env, tree_pids
 from tests.mpi.test_exact_resume import assert_same, final_state
 from yatt_hpc.ckpt.loader import find_latest
 
@@ -117,7 +117,6 @@ def resume(run_dir, mode, extra=()):
 RERUN = {("colocate", "trainer"), ("partial", "rollout"), ("disjoint", "genrm")}
 # `make test` (CI) runs the diagonal, one group per placement, each with its rerun; the other six cases
 # of the 3 x 3 matrix run with YATT_FULL_FAULT_MATRIX=1 (`make test-faults`, tools/soak.sh faults).
-FULL_MATRIX = os.environ.get("YATT_FULL_FAULT_MATRIX") == "1"
 CASES = [(m, g) for m in ("colocate", "partial", "disjoint") for g in ("trainer", "rollout", "genrm")
          if FULL_MATRIX or (m, g) in RERUN]
 

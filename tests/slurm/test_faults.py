@@ -4,7 +4,8 @@ resubmitting the same run directory resumes with every prompt consumed once.
 The rank is found by the pid its own log recorded, and checked to belong to this test's job (its
 SLURM_JOB_ID) before it is signalled: nothing is matched by name. The signal lands after checkpoint
 step-1 is committed (the event, not a time). The full 3 groups x 3 placements SIGKILL matrix runs
-under mpirun (tests/mpi/test_faults.py); here each group and each placement is hit once.
+under mpirun (tests/mpi/test_faults.py); here each group and each placement is hit once (`make test`
+runs the heterogeneous job's two cases, `make test-faults` all four).
 """
 import json
 import os
@@ -14,7 +15,7 @@ import time
 
 import pytest
 
-from tests.conftest import PYTHON, REPO
+from tests.conftest import PYTHON, REPO, full_matrix_only
 from tests.mpi.test_faults import assert_every_prompt_once
 from tests.slurm.jobs import job_rank_pid
 from yatt_hpc.launch.jobs import top_states, wait_job
@@ -61,9 +62,9 @@ def resubmit_and_check(run_dir, mode) -> None:
     assert_every_prompt_once(run_dir)
 
 
-@pytest.mark.parametrize("mode, group", [pytest.param("colocate", "trainer", id="colocate-trainer"),
+@pytest.mark.parametrize("mode, group", [pytest.param("colocate", "trainer", id="colocate-trainer", marks=full_matrix_only),
                                          pytest.param("disjoint", "rollout", id="disjoint-rollout"),
-                                         pytest.param("partial", "genrm", id="partial-genrm")])
+                                         pytest.param("partial", "genrm", id="partial-genrm", marks=full_matrix_only)])
 def test_a_killed_rank_fails_the_job_named_and_a_resubmission_resumes(slurm_cluster, tmp_path, mode, group):
     run_dir = tmp_path / "run"
     rank = RANK_OF[group]

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, mpi_env, wait_for_log_line
+from tests.conftest import REPO, full_matrix_only, mpi_env, wait_for_log_line
 from tests.slurm.jobs import job_rank_pid
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import wait_job
@@ -83,6 +83,7 @@ def logs(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("job_*.log")))
 
 
+@full_matrix_only  # the requeue path of (a) and (d), triggered by hand
 def test_scontrol_requeue_mid_run_resumes_and_completes(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     sub = submit(run_dir)
@@ -113,6 +114,7 @@ def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted
     subprocess.run(["scancel", high])
 
 
+@full_matrix_only  # kill + resubmit is tests/slurm/test_faults.py's, exact weights after a kill test_exact_resume.py's
 def test_sigkilled_job_resumes_from_periodic_checkpoint_after_resubmission(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     sub = submit(run_dir)

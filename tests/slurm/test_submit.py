@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PYTHON, REPO
+from tests.conftest import PYTHON, REPO, full_matrix_only
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import top_states, wait_job
 from yatt_hpc.launch.submitit_exec import dry_run_text, submit_run
@@ -137,7 +137,8 @@ POOL = ("placement.dynamic_split.enabled=true", "placement.trainer.tasks_per_nod
 @needs_models
 @pytest.mark.parametrize("mode, components, extra", [pytest.param("disjoint", 3, (), id="disjoint"),
                                                      pytest.param("colocate", 1, (), id="colocate"),
-                                                     pytest.param("partial", 1, POOL, id="partial-split-overdispatch")])
+                                                     pytest.param("partial", 1, POOL, id="partial-split-overdispatch",
+                                                                  marks=full_matrix_only)])
 def test_submit_wait_runs_two_grpo_steps(slurm_cluster, tmp_path, mode, components, extra):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
