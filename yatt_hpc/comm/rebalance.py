@@ -15,7 +15,7 @@ import numpy as np
 
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.comm.transport import recv_batch, send_batch
-from yatt_hpc.sched.balance import imbalance, karmarkar_karp, workload
+from yatt_hpc.sched.balance import balanced_partition, imbalance, workload
 
 TAG_BALANCE = 15
 
@@ -42,7 +42,7 @@ class Rebalancer:
         weights = [w for _, w, _ in units]
         k = self.comm.Get_size()
         before = [[i for i, u in enumerate(units) if u[2] == dp] for dp in range(k)]
-        dest_of = self._assign(karmarkar_karp(weights, k), before)
+        dest_of = self._assign(balanced_partition(weights, k), before)
         if imbalance(weights, self._parts(dest_of, k)) >= imbalance(weights, before) - 1e-12:
             dest_of = [u[2] for u in units]  # no better than now: move nothing
         keep, outgoing = [], {}

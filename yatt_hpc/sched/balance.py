@@ -2,7 +2,7 @@
 
     work = workload(lengths, a=flops_coeff(hidden, layers))   # a*L + L^2 per sample (or plain L)
     a = balance_coeff(cfg.train, hidden)                      # the `a` train.balance* choose
-    parts = karmarkar_karp(work_per_group, k=dp)             # list of k lists of unit indices
+    parts = balanced_partition(work_per_group, k=dp)         # KK, then moves/swaps: k lists of unit indices
 
 Units are GRPO groups (all samples of one prompt), so a group is never split across ranks.
 Every rank runs the same pure computation on the same allgathered lengths and gets the same
@@ -65,6 +65,72 @@ def karmarkar_karp(weights: Sequence[float], k: int) -> list[list[int]]:
         merged.sort(key=lambda s: (-s[0], s[1]))
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), next(counter), merged))
     parts = [sorted(indices) for _, indices in heap[0][2]]
+    return sorted(parts, key=lambda p: (p[0] if p else float("inf")))
+
+
+# Pairs of units are exchanged too in parts of at most this many units, when the step has at most
+# PAIR_EXCHANGE_MAX_TOTAL units: few units per rank is where single exchanges get stuck, and a round
+# costs (ranks - 1) * (units per part)^4 there.
+PAIR_EXCHANGE_MAX_UNITS, PAIR_EXCHANGE_MAX_TOTAL = 12, 256
+
+
+def refine(weights: Sequence[float], parts: list[list[int]], max_moves: int | None = None,
+           tolerance: float = 1e-4) -> list[list[int]]:
+    """Lower the heaviest part of a partition by exchanging whole units with another part (after KK).
+
+    Each round looks at the pairs (heaviest part, any other) and, in each pair, every exchange of up to
+    two units of the heavier against up to two of the lighter
+    (none included: a plain move; pairs only in parts of <= 12 units, steps of <= 256) whose net weight d lies in
+    (0, gap): it applies the one that removes the most from the sum of squared part sums
+    (d * (gap - d)), and stops when none is left, when max/mean is within `tolerance` of 1 or the
+    heaviest part is down to the largest unit, or after
+    `max_moves` (default 4 * number of units). Both sums of a pair stay within the pair's old range,
+    so the maximum never rises; ties break on indices, so every rank computes the same answer. KK alone
+    leaves 1.029 max/mean at 32 groups over 8 ranks (B3, bench/dp_balance.py).
+    """
+    w = [float(x) for x in weights]
+    parts = [sorted(p) for p in parts]
+    sums = [sum(w[i] for i in p) for p in parts]
+    limit = 4 * len(w) if max_moves is None else max_moves
+    pairs_too = len(w) <= PAIR_EXCHANGE_MAX_TOTAL
+
+    def subsets(part: list[int], smallest: int) -> list[tuple[tuple[int, ...], float]]:
+        out = []
+        for size in range(smallest, 3 if pairs_too and len(part) <= PAIR_EXCHANGE_MAX_UNITS else 2):
+            out.extend((c, sum(w[i] for i in c)) for c in itertools.combinations(part, size))
+        return out
+
+    floor = max(sum(sums) / max(len(parts), 1) * (1 + tolerance), max(w, default=0.0))  # no partition goes lower
+    for _ in range(limit):
+        if max(sums) <= floor:
+            break
+        order = sorted(range(len(parts)), key=lambda j: (-sums[j], j))
+        h = order[0]
+        pairs = [(h, o) for o in order[1:]]
+        best = None  # (squares removed, heavy part, light part, units out of heavy, units out of light, d)
+        for hi, lo in pairs:
+            gap = sums[hi] - sums[lo]
+            if gap <= 0:
+                continue
+            light = subsets(parts[lo], 0)
+            for out_units, out_w in subsets(parts[hi], 1):
+                for in_units, in_w in light:
+                    d = out_w - in_w
+                    if 0 < d < gap and (best is None or d * (gap - d) > best[0]):
+                        best = (d * (gap - d), hi, lo, out_units, in_units, d)
+        if best is None:
+            break
+        _, hi, lo, out_units, in_units, d = best
+        parts[hi] = sorted(set(parts[hi]) - set(out_units) | set(in_units))
+        parts[lo] = sorted(set(parts[lo]) - set(in_units) | set(out_units))
+        sums[hi] -= d
+        sums[lo] += d
+    return parts
+
+
+def balanced_partition(weights: Sequence[float], k: int) -> list[list[int]]:
+    """What the trainer balances with: Karmarkar-Karp, then `refine`; parts ordered as KK orders them."""
+    parts = refine(weights, karmarkar_karp(weights, k))
     return sorted(parts, key=lambda p: (p[0] if p else float("inf")))
 
 
