@@ -8,10 +8,12 @@
 token with a logprob, plus the per-sample columns. Per round rank 0 sends M batches, rank 1
 receives them and acknowledges; bytes/s = M * bytes / (first send -> ack). Modes take turns:
 
-  wire         send_batch / recv_batch: one message read in place from the columns (an MPI datatype
-               over their addresses); the receiver spins briefly, then polls Iprobe+sleep, and
-               receives into a fresh buffer, as the controllers do
-  wire-packed  diagnostic: the previous sender, which first concatenated the batch into one buffer
+  wire         send_batch / recv_batch of a batch as the controllers send it (made by `select`, so
+               its columns already lie in one contiguous wire buffer: one Send, no copy); the
+               receiver spins briefly, then polls Iprobe+sleep, and receives into a fresh buffer
+  wire-columns diagnostic: send_batch of the same batch built column by column (an MPI datatype
+               over the columns' addresses, read in place): the path before the contiguous layout
+  wire-packed  diagnostic: concatenating the columns into a fresh buffer, then one Send
   wire-stream  StreamSender (Isend, 4 batches in flight) / recv_batch, what partial mode uses
   cols         diagnostic: the same 15 column messages, blocking Recv into columns allocated once
                (what per-column messages cost without probing or allocation)
@@ -33,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from common import mpi_env, mpirun_argv, print_table, row, spread, write_report
 
-MODES = ("wire", "wire-packed", "wire-stream", "cols", "raw-alloc", "raw")
+MODES = ("wire", "wire-columns", "wire-packed", "wire-stream", "cols", "raw-alloc", "raw")
 
 
 def make_batch(samples: int, seed: int = 0):
@@ -52,22 +54,26 @@ def make_batch(samples: int, seed: int = 0):
 
 
 def one_round(comm, mode: str, batch, raw: np.ndarray, messages: int) -> float:
-    from yatt_hpc.comm.transport import _COLUMNS, StreamSender, pack, recv_batch, send_batch
+    from yatt_hpc.comm.transport import _COLUMNS, StreamSender, recv_batch, send_batch, wire_parts
 
     rank = comm.Get_rank()
     ack = np.zeros(1, np.int8)
     columns = [c for c in (getattr(batch, name) for name in _COLUMNS) if c.size]  # receiver: reused buffers
+    selected = batch.select(np.arange(len(batch)))  # as a controller's outgoing batch is made
+    assert selected.wire() is not None
     comm.Barrier()
     start = time.perf_counter()
     if rank == 0:
         sender = StreamSender(comm, max_inflight=4)
         for _ in range(messages):
             if mode == "wire":
+                send_batch(comm, 1, 12, selected)
+            elif mode == "wire-columns":
                 send_batch(comm, 1, 12, batch)
             elif mode == "wire-packed":
-                comm.Send(pack(batch), dest=1, tag=12)
+                comm.Send(np.concatenate(wire_parts(batch)), dest=1, tag=12)
             elif mode == "wire-stream":
-                sender.send(1, 12, batch)
+                sender.send(1, 12, selected)
             elif mode == "cols":
                 for col in columns:
                     comm.Send(col, dest=1, tag=12)

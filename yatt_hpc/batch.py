@@ -9,6 +9,14 @@ and `response_len` again for `logprobs`). `question` is the user's text (not the
 `metadata` the row's other columns as JSON; both reach the reward terms. `comm.transport` moves a
 batch between ranks as raw buffers; the trainer, the engines and the judge read it. Nothing else
 about a sample exists outside these columns.
+
+The wire layout lives here too: `SampleBatch.packed(...)`, `select` and `concat` build a batch whose
+columns are views into ONE contiguous byte buffer (an int64 header: sample count, then the element
+count of every column in `WIRE_ORDER`; then the columns, widest dtype first so each starts aligned).
+`batch.wire()` hands that buffer to the transport while no column has been replaced since, so a
+batch goes out as one contiguous message with no packing copy (B5, bench/wire_throughput.py).
+Columns may be written in place (the judge fills `reward`); assigning a new array to a column
+just makes `wire()` return None, and the transport packs that batch.
 """
 from __future__ import annotations
 
@@ -45,6 +53,7 @@ class SampleBatch:
     parse_fail: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
 
     def __post_init__(self) -> None:
+        self._wire: tuple[np.ndarray, tuple] | None = None  # (buffer, the column objects it backs)
         # per-sample columns not given yet (e.g. rewards of a prompt batch) start as zeros
         n = len(self)
         if not n:
@@ -75,18 +84,42 @@ class SampleBatch:
     def metadatas(self) -> list[dict]:
         return [json.loads(m.tobytes().decode("utf-8")) if m.size else {} for m in self.ragged("metadata")]
 
+    def wire(self) -> np.ndarray | None:
+        """The contiguous buffer (header + columns) this batch's columns are views of, or None when it
+        was built column by column or a column has been replaced since."""
+        if self._wire is None:
+            return None
+        buffer, backed = self._wire
+        if any(getattr(self, name) is not col for name, col in zip(WIRE_ORDER, backed)):
+            return None
+        return buffer
+
+    @staticmethod
+    def packed(**columns: np.ndarray) -> SampleBatch:
+        """A batch of these columns (as for the constructor), copied into one contiguous buffer."""
+        return _packed(SampleBatch(**columns))
+
     def select(self, index: np.ndarray) -> SampleBatch:
-        """A new batch with the samples at `index`, in that order."""
+        """A new batch with the samples at `index`, in that order (contiguous: see `wire`)."""
         index = np.asarray(index, dtype=np.int64)
-        out = {}
-        for f in fields(self):
-            col = getattr(self, f.name)
-            if f.name in RAGGED:
-                parts = self.ragged(f.name)
-                out[f.name] = np.concatenate([parts[i] for i in index]) if len(index) else col[:0]
+        n = len(index)
+        sizes = {}
+        for name in COLUMNS:
+            if name in RAGGED:
+                lengths = self.response_len if name == "logprobs" else getattr(self, name.split("_")[0] + "_len")
+                sizes[name] = int(lengths[index].sum()) if n else 0
             else:
-                out[f.name] = col[index]
-        return SampleBatch(**out)
+                sizes[name] = n
+        buffer, views = _layout(n, sizes)
+        for name in COLUMNS:
+            col, out = getattr(self, name), views[name]
+            if name in RAGGED:
+                if sizes[name]:
+                    parts = self.ragged(name)
+                    np.concatenate([parts[i] for i in index], out=out)
+            elif n:
+                np.take(col, index, out=out)
+        return _adopt(buffer, views)
 
     def sorted_by_id(self) -> SampleBatch:
         """Samples in sample-id order: downstream math must not depend on message arrival order."""
@@ -94,11 +127,76 @@ class SampleBatch:
 
     @staticmethod
     def concat(batches: list[SampleBatch]) -> SampleBatch:
+        """One batch of these batches' samples, in order (contiguous: see `wire`)."""
         if not batches:
             return SampleBatch()
-        return SampleBatch(**{f.name: np.concatenate([getattr(b, f.name) for b in batches]) for f in fields(SampleBatch)})
+        batches = [_filled(b) for b in batches]
+        n = sum(len(b) for b in batches)
+        buffer, views = _layout(n, {c: sum(getattr(b, c).size for b in batches) for c in COLUMNS})
+        for name in COLUMNS:
+            if views[name].size:
+                np.concatenate([getattr(b, name) for b in batches], out=views[name])
+        return _adopt(buffer, views)
 
 
 COLUMNS = [f.name for f in fields(SampleBatch)]
 PER_SAMPLE = [c for c in COLUMNS if c not in RAGGED]
 DTYPES = {name: SampleBatch().__getattribute__(name).dtype for name in COLUMNS}
+WIRE_ORDER = sorted(COLUMNS, key=lambda c: -DTYPES[c].itemsize)  # stable: schema order within a width
+HEADER_WORDS = 1 + len(WIRE_ORDER)
+
+
+def _layout(n: int, sizes: dict[str, int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """A fresh buffer laid out for `n` samples and these column sizes, with the header written, and the
+    column views into it (to be filled)."""
+    counts = [sizes[c] for c in WIRE_ORDER]
+    nbytes = 8 * HEADER_WORDS + sum(k * DTYPES[c].itemsize for c, k in zip(WIRE_ORDER, counts))
+    buffer = np.empty(nbytes, dtype=np.uint8)
+    buffer[:8 * HEADER_WORDS].view(np.int64)[:] = [n, *counts]
+    return buffer, _views(buffer, counts)
+
+
+_ITEMSIZES = [DTYPES[c].itemsize for c in WIRE_ORDER]
+_WIRE_DTYPES = [DTYPES[c] for c in WIRE_ORDER]
+
+
+def _views(buffer: np.ndarray, counts) -> dict[str, np.ndarray]:
+    views, offset = {}, 8 * HEADER_WORDS
+    for name, dtype, itemsize, count in zip(WIRE_ORDER, _WIRE_DTYPES, _ITEMSIZES, counts.tolist()
+                                            if isinstance(counts, np.ndarray) else counts):
+        end = offset + count * itemsize
+        views[name] = buffer[offset:end].view(dtype)
+        offset = end
+    return views
+
+
+def _adopt(buffer: np.ndarray, views: dict[str, np.ndarray]) -> SampleBatch:
+    """The batch whose columns are `views` into `buffer`, remembered as its wire form. Every column
+    is at full length already (the layout was sized so), so the dataclass init is skipped: this runs
+    once per received message."""
+    batch = object.__new__(SampleBatch)
+    batch.__dict__.update(views)
+    batch._wire = (buffer, tuple(views[c] for c in WIRE_ORDER))
+    return batch
+
+
+def from_wire(buffer: np.ndarray) -> SampleBatch:
+    """The batch a wire buffer holds (what `wire()` returned on the sender); columns are views, no copy."""
+    header = np.frombuffer(buffer, dtype=np.int64, count=HEADER_WORDS)
+    return _adopt(buffer, _views(buffer, header[1:]))
+
+
+def _filled(batch: SampleBatch) -> SampleBatch:
+    """`batch` with every per-sample column at full length (zeros where it had none)."""
+    if not len(batch) or all(getattr(batch, c).size == len(batch) for c in PER_SAMPLE):
+        return batch
+    return SampleBatch(**{c: getattr(batch, c) for c in COLUMNS})
+
+
+def _packed(batch: SampleBatch) -> SampleBatch:
+    sizes = {c: getattr(batch, c).size for c in COLUMNS}
+    buffer, views = _layout(len(batch), sizes)
+    for name in COLUMNS:
+        if sizes[name]:
+            views[name][:] = getattr(batch, name)
+    return _adopt(buffer, views)

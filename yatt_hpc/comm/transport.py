@@ -4,11 +4,12 @@
     batch = recv_batch(comm, source, TAG_SAMPLES)        # source may be MPI.ANY_SOURCE
 
 A `SampleBatch` (`yatt_hpc/batch.py`) is columnar: fixed-schema numpy arrays, ragged token columns
-stored flat with a per-sample length column. On the wire a batch is ONE message of raw bytes: an int64 header (sample
-count + element count of every column) followed by the columns (`pack`); the receiver probes for
-its size, receives it into one buffer and takes zero-copy column views (`unpack`). One message
-per batch saves a handshake per column (bench/wire_throughput.py); a blocking send builds no buffer:
-an MPI datatype over the columns' addresses (`gather_type`) lets MPI read them in place.
+stored flat with a per-sample length column. On the wire a batch is ONE message of raw bytes: an int64
+header (sample count + element count of every column) followed by the columns, the layout of
+`batch.wire()`; the receiver probes for its size, receives it into one buffer and takes zero-copy
+column views (`batch.from_wire`). A batch made by `select`/`concat`/`packed` (every batch the
+controllers send) already lies in that layout, so it is sent as one contiguous buffer with no copy;
+any other batch is read in place through an MPI datatype over its columns' addresses (`gather_type`).
 
 Receiving polls with `Iprobe` and a short sleep instead of blocking: with more controller ranks
 than cores, a blocked Open MPI receive spins and steals the CPU the working rank needs. While a rank
@@ -25,7 +26,8 @@ from mpi4py import MPI
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.batch import COLUMNS as _COLUMNS
 from yatt_hpc.batch import DTYPES as _DTYPES
-from yatt_hpc.batch import SampleBatch
+from yatt_hpc.batch import WIRE_ORDER as _WIRE_ORDER
+from yatt_hpc.batch import SampleBatch, from_wire
 
 # message tags of the inter-group protocol
 TAG_PROMPTS = 11  # trainer -> rollout: prompts to sample
@@ -35,8 +37,6 @@ TAG_WEIGHTS = 14  # trainer -> rollout: weight buckets
 TAG_COUNT = 16  # trainer -> genrm: groups to keep, then (rollout rank, samples) pairs of this wave
 TAG_STOP = 17  # genrm -> rollout: [owner] target met, drop that replica's remaining work (over-dispatch)
 TAG_END = 18  # rollout -> genrm: [owner, samples sent, samples aborted], the answer to one TAG_STOP
-
-_WIRE_ORDER = sorted(_COLUMNS, key=lambda c: -_DTYPES[c].itemsize)  # stable: schema order within a width
 
 
 def wire_parts(batch: SampleBatch) -> list[np.ndarray]:
@@ -48,8 +48,9 @@ def wire_parts(batch: SampleBatch) -> list[np.ndarray]:
 
 
 def pack(batch: SampleBatch) -> np.ndarray:
-    """The whole message as one byte buffer (what `send_batch` sends without building it)."""
-    return np.concatenate(wire_parts(batch))
+    """The whole message as one byte buffer: the batch's own `wire()` buffer, else a packed copy."""
+    buffer = batch.wire()
+    return buffer if buffer is not None else np.concatenate(wire_parts(batch))
 
 
 def gather_type(parts: list[np.ndarray]):
@@ -62,16 +63,15 @@ def gather_type(parts: list[np.ndarray]):
 
 def unpack(buffer: np.ndarray) -> SampleBatch:
     """Inverse of `pack`; the columns are views into `buffer` (no copy)."""
-    header = np.frombuffer(buffer, dtype=np.int64, count=1 + len(_WIRE_ORDER))
-    offset, cols = header.nbytes, {}
-    for c, size in zip(_WIRE_ORDER, header[1:]):
-        cols[c] = np.frombuffer(buffer, dtype=_DTYPES[c], count=int(size), offset=offset)
-        offset += int(size) * _DTYPES[c].itemsize
-    return SampleBatch(**cols)
+    return from_wire(buffer)
 
 
 def send_batch(comm, dest: int, tag: int, batch: SampleBatch) -> None:
     # blocking: MPI progresses the transfer itself instead of waiting for our next poll
+    buffer = batch.wire()
+    if buffer is not None:  # already one contiguous message: no datatype, no copy
+        comm.Send(buffer, dest=dest, tag=tag)
+        return
     parts = wire_parts(batch)
     dtype = gather_type(parts)
     try:
@@ -81,10 +81,11 @@ def send_batch(comm, dest: int, tag: int, batch: SampleBatch) -> None:
 
 
 def isend_batch(comm, dest: int, tag: int, batch: SampleBatch) -> tuple[list, list]:
-    """Non-blocking send of the packed batch (one message); returns (requests, buffers): keep the
-    buffers alive until the requests complete. Packed, not read in place as `send_batch` does: Open
-    MPI moves a non-contiguous message only while we call into it, and a stream polls with sleeps
-    (bench/wire_throughput.py measured the in-place Isend 10x slower)."""
+    """Non-blocking send of the batch as one contiguous message (its `wire()` buffer, else a packed
+    copy); returns (requests, buffers): keep the buffers alive until the requests complete. Never
+    read in place through a datatype as `send_batch` can: Open MPI moves a non-contiguous message
+    only while we call into it, and a stream polls with sleeps (bench/wire_throughput.py measured
+    the in-place Isend 10x slower)."""
     buffer = pack(batch)
     return [comm.Isend(buffer, dest=dest, tag=tag)], [buffer]
 
@@ -130,11 +131,10 @@ class StreamSender:
 def recv_batch(comm, source: int, tag: int, poll_s: float = 0.002) -> tuple[SampleBatch, int]:
     """Receive one batch; returns it with the sender's rank (useful with MPI.ANY_SOURCE)."""
     status = MPI.Status()
-    wait_for_message(comm, source, tag, status, poll_s)
-    sender = status.Get_source()
+    message = wait_for_matched(comm, source, tag, status, poll_s)
     buffer = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-    comm.Recv(buffer, source=sender, tag=tag)
-    return unpack(buffer), sender
+    message.Recv(buffer)
+    return unpack(buffer), status.Get_source()
 
 
 def bcast_batch(comm, batch: SampleBatch | None, root: int = 0) -> SampleBatch:
@@ -167,12 +167,31 @@ def wait_for_message(comm, source: int, tag: int, status=None, poll_s: float = 0
     next batch is usually that close), then sleep between probes, backing off to `poll_s` (see
     module docstring)."""
     status = status if status is not None else MPI.Status()
-    if comm.Iprobe(source=source, tag=tag, status=status):
+    _poll(lambda: comm.Iprobe(source=source, tag=tag, status=status), tag, poll_s, spin_s)
+
+
+def wait_for_matched(comm, source: int, tag: int, status, poll_s: float = 0.002, spin_s: float = 0.0002):
+    """As `wait_for_message`, but the message is matched (`Improbe`): it is ours to `Recv` whatever
+    other threads receive meanwhile, and MPI matches it once, not again at the receive."""
+    found = []
+
+    def probe() -> bool:
+        message = comm.Improbe(source=source, tag=tag, status=status)
+        if message is not None:
+            found.append(message)
+        return message is not None
+
+    _poll(probe, tag, poll_s, spin_s)
+    return found[0]
+
+
+def _poll(probe, tag: int, poll_s: float, spin_s: float) -> None:
+    if probe():
         ACTIVITY.progress()
         return
     with ACTIVITY.waiting(f"recv tag {tag}"):
         delay, spin_until = 0.0, time.perf_counter() + spin_s
-        while not comm.Iprobe(source=source, tag=tag, status=status):
+        while not probe():
             if time.perf_counter() < spin_until:
                 continue
             if delay:

@@ -42,9 +42,12 @@ def setup_logging(run_dir: Path, rank: int, group: str, level: str) -> Path:
 
 
 def build_controller(world, cfg, run_dir: Path, stats, protocol):
-    import torch
+    from yatt_hpc.roles.base import rank_device
+    from yatt_hpc.roles.colocation import share_cores
 
-    torch.set_num_threads(world.plan.group(world.group).cpus_per_task)
+    share = share_cores(world, on_cpu=rank_device(world) == "cpu")
+    logging.getLogger(__name__).info("torch threads: %d, %d while this rank's phase holds the devices",
+                                     share.idle, share.active)
     if world.group == "trainer":
         from yatt_hpc.roles.trainer import TrainerController
 

@@ -1,0 +1,64 @@
+"""The batch's contiguous wire layout (yatt_hpc/batch.py): what select/concat/packed build, and when
+`wire()` may hand that buffer to the transport."""
+import numpy as np
+
+from yatt_hpc.batch import COLUMNS, SampleBatch, from_wire
+from yatt_hpc.comm.transport import pack, wire_parts
+
+
+def column_built(n: int = 5, seed: int = 0) -> SampleBatch:
+    rng = np.random.default_rng(seed)
+    plen, rlen = rng.integers(1, 6, n).astype(np.int32), rng.integers(1, 9, n).astype(np.int32)
+    return SampleBatch(sample_id=np.arange(n, dtype=np.int64), prompt_id=np.arange(n) // 2, owner=np.zeros(n, np.int32),
+                       prompt_len=plen, prompt_tokens=rng.integers(0, 99, plen.sum(), dtype=np.int32),
+                       response_len=rlen, response_tokens=rng.integers(0, 99, rlen.sum(), dtype=np.int32),
+                       logprobs=rng.standard_normal(rlen.sum()).astype(np.float32),
+                       answer_len=np.full(n, 2, np.int32), answer=np.frombuffer(b"ab" * n, np.uint8).copy())
+
+
+def same(a: SampleBatch, b: SampleBatch) -> None:
+    for c in COLUMNS:
+        assert np.array_equal(getattr(a, c), getattr(b, c)), c
+
+
+def test_select_concat_and_packed_lie_in_one_buffer_laid_out_as_the_wire():
+    plain = column_built()
+    assert plain.wire() is None, "built column by column: the transport packs it"
+    for made in (plain.select(np.arange(len(plain))), SampleBatch.concat([plain]), SampleBatch.packed(
+            **{c: getattr(plain, c) for c in COLUMNS})):
+        buffer = made.wire()
+        assert buffer is not None
+        same(made, plain)
+        assert buffer.tobytes() == np.concatenate(wire_parts(plain)).tobytes(), "the same bytes as packing"
+        for c in COLUMNS:
+            col = getattr(made, c)
+            assert col.size == 0 or np.shares_memory(col, buffer), c
+        same(from_wire(buffer.copy()), plain)
+        assert pack(made) is buffer, "sent as it lies: no copy"
+
+
+def test_select_reorders_and_drops_samples_like_fancy_indexing():
+    plain = column_built(n=6)
+    picked = plain.select(np.array([4, 1, 1, 0]))
+    assert picked.sample_id.tolist() == [4, 1, 1, 0]
+    ragged = plain.ragged("response_tokens")
+    assert np.array_equal(picked.response_tokens, np.concatenate([ragged[i] for i in (4, 1, 1, 0)]))
+    assert picked.wire() is not None and len(plain.select(np.array([], np.int64))) == 0
+
+
+def test_in_place_writes_keep_the_wire_and_a_replaced_column_drops_it():
+    made = column_built().select(np.arange(5))
+    made.reward[:] = 0.5  # what the judge does
+    assert made.wire() is not None and from_wire(made.wire()).reward.tolist() == [0.5] * 5
+    made.reward = np.ones(5, np.float32)
+    assert made.wire() is None, "a new array is not in the buffer any more"
+    same(from_wire(pack(made)), made)  # the transport then packs the batch as it is now
+
+
+def test_concat_fills_per_sample_columns_a_part_lacked():
+    a = column_built(n=3)
+    prompts = SampleBatch(sample_id=np.arange(2, dtype=np.int64), prompt_id=np.arange(2), owner=np.zeros(2, np.int32),
+                          prompt_len=np.ones(2, np.int32), prompt_tokens=np.ones(2, np.int32))
+    both = SampleBatch.concat([a, prompts])
+    assert len(both) == 5 and both.reward.shape == (5,) and both.response_len[3:].tolist() == [0, 0]
+    assert both.wire() is not None
