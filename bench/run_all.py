@@ -1,12 +1,13 @@
-"""Run every benchmark B1..B8 and refresh the generated part of BENCHMARKS.md (what `make bench` does).
+"""Run every benchmark B1..B9 and refresh the generated part of BENCHMARKS.md (what `make bench` does).
 
-    .venv/bin/python bench/run_all.py                     # all of them, ~15 min on the 2-core dev machine
+    .venv/bin/python bench/run_all.py                     # all of them, ~25 min on the 2-core dev machine
     .venv/bin/python bench/run_all.py --only B3 B5        # a subset; the others keep their last JSON
     .venv/bin/python bench/run_all.py --render-only       # rewrite BENCHMARKS.md from bench/results/*.json
 
 Each script writes bench/results/<name>.json; this renders them between the
 `<!-- bench:start -->` / `<!-- bench:end -->` markers of BENCHMARKS.md and leaves the hand-written
-text around them alone. B7 also goes through Slurm when `sinfo` answers (skip with --no-slurm).
+text around them alone. B7 also goes through Slurm when `sinfo` answers (skip with --no-slurm). B9 needs
+TRL's venv (`bash bench/peers/setup.sh`); without it B9 is skipped, saying so, unless asked for by --only.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from common import PYTHON, REPO, RESULTS, machine
 BENCH = Path(__file__).resolve().parent
 DOC = REPO / "BENCHMARKS.md"
 SCRIPTS = {"B1": "ckpt_stall", "B2": "driver_memory", "B3": "dp_balance", "B4": "placement_overlap",
-           "B5": "wire_throughput", "B6": "demo_run", "B7": "preempt_resume", "B8": "rank_scaling"}
+           "B5": "wire_throughput", "B6": "demo_run", "B7": "preempt_resume", "B8": "rank_scaling",
+           "B9": "peer_trl"}
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
@@ -114,7 +116,7 @@ def write_doc(durations: dict[str, float]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", nargs="+", choices=list(SCRIPTS), default=list(SCRIPTS))
+    ap.add_argument("--only", nargs="+", choices=list(SCRIPTS))
     ap.add_argument("--render-only", action="store_true")
     ap.add_argument("--no-slurm", action="store_true", help="B7 measures locally only")
     args = ap.parse_args()
@@ -122,7 +124,11 @@ def main() -> None:
     if not args.render_only:
         slurm = not args.no_slurm and slurm_answers()
         total = time.perf_counter()
-        for key in args.only:
+        keys = args.only or list(SCRIPTS)
+        if not args.only and not (BENCH / "peers" / ".venv" / "bin" / "python").exists():
+            keys.remove("B9")  # its peer's venv is made on purpose, not by make bench
+            print("== B9 skipped (its last results stay): no bench/peers/.venv; `bash bench/peers/setup.sh` makes it")
+        for key in keys:
             try:
                 durations[key] = run(key, slurm)
             except subprocess.CalledProcessError as exc:
