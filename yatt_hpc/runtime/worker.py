@@ -42,12 +42,9 @@ def setup_logging(run_dir: Path, rank: int, group: str, level: str) -> Path:
 
 
 def build_controller(world, cfg, run_dir: Path, stats, protocol):
-    from yatt_hpc.roles.base import rank_device
-    from yatt_hpc.roles.colocation import share_cores
+    import torch
 
-    share = share_cores(world, on_cpu=rank_device(world) == "cpu")
-    logging.getLogger(__name__).info("torch threads: %d, %d while this rank's phase holds the devices",
-                                     share.idle, share.active)
+    torch.set_num_threads(world.plan.group(world.group).cpus_per_task)
     if world.group == "trainer":
         from yatt_hpc.roles.trainer import TrainerController
 
