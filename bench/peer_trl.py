@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
+from rich.markup import escape
 
 PEERS = REPO / "bench" / "peers"
 PEER_PYTHON = PEERS / ".venv" / "bin" / "python"
@@ -127,13 +128,16 @@ def run_yatt(model: str, shape: dict, root: Path, tag: str) -> dict:
     leader = logs["rank-0000-trainer"]
     # start-up marks of the leader (and of the rollout engine, which the first step waits for)
     marks = {"rank 0 logs (python up)": first_time(leader, r"started: pid"),
-             "rank 0 imports + MPI world": first_time(leader, r"torch threads:"),
+             "GenRM rank ready (imports, MPI world)": max(first_time(v, r"genrm rank scores") or 0
+                                                         for v in logs.values()),
              "rank 0 Megatron model built": first_time(leader, r"trainer dp=0 .* ready"),
              "rollout engine ready": max(first_time(v, r"rollout rank ready") or 0 for v in logs.values()),
              "step 1 begins": first_time(leader, r"step 1 begins$")}
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     phases = yatt_phases(run_dir)
-    split = {"generation": phases["rollout/rollout"], "train": phases["trainer/train"]}
+    gen, train = phases["rollout/rollout"], phases["trainer/train"]
+    split = {"generation": gen, "train": train, "other": [s - g - t for s, g, t in zip(
+        [m["time/step"] for m in metrics], gen, train)]}
     return {"step_s": [m["time/step"] for m in metrics], "split_s": split, "reward_mean": [m["reward/mean"] for m in metrics],
             "response_len_mean": [m["rollout/response_len_mean"] for m in metrics], "wall_s": wall,
             "start_to_step1_s": marks["step 1 begins"] - start,
@@ -149,8 +153,9 @@ def run_trl(model: str, shape: dict, rows: Path, root: Path, tag: str) -> dict:
     data = json.loads(out.read_text())
     marks = {"imports done": data["marks"]["imports_done"], "GRPOTrainer built": data["marks"]["trainer_built"],
              "step 1 begins": data["first_step_begin"]}
-    train = [s - g - r for s, g, r in zip(data["step_s"], data["phases"]["generate"], data["phases"]["reward"])]
-    return {**data, "split_s": {"generation": data["phases"]["generate"], "train": train},
+    gen, reward = data["phases"]["generate"], data["phases"]["reward"]
+    train = [s - g - r for s, g, r in zip(data["step_s"], gen, reward)]
+    return {**data, "split_s": {"generation": gen, "train": train, "other": reward},
             "wall_s": wall, "start_to_step1_s": data["first_step_begin"] - start,
             "startup_s": {k: v - start for k, v in marks.items()}}
 
@@ -218,11 +223,11 @@ def report(args, runs: dict, meta: dict, took: float) -> None:
         met = met and step_ratio["median"] <= STEP_TARGET and start_ratio["median"] <= START_TARGET
         for side, who in sides:
             rs = runs[name][side]
-            gen, train = (spread(steps(rs, lambda r, k=k: r["split_s"][k])) for k in ("generation", "train"))
+            gen, train, other = (spread(steps(rs, lambda r, k=k: r["split_s"][k])) for k in ("generation", "train", "other"))
             table.append([name, who, cell(step[side]), cell(start[side], 1, range_digits=1), f"{length[side]:.1f}",
                           f"{first5[side]:.2f} -> {last5[side]:.2f}"])
             split.append([name, who, f"{step[side]['median']:.3f}", f"{gen['median']:.3f}", f"{train['median']:.3f}",
-                          f"{step[side]['median'] - gen['median'] - train['median']:.3f}"])
+                          f"{other['median']:.3f}"])
             marks = rs[0]["startup_s"]
             startup.append([name, who, "  ".join(f"{k} {np.median([r['startup_s'].get(k, np.nan) for r in rs]):.1f}"
                                                  for k in marks)])
@@ -242,9 +247,10 @@ def report(args, runs: dict, meta: dict, took: float) -> None:
                                              for k in y[0]["phases"]}
     shapes = ", ".join(f"{n}: {SHAPES[n]['steps']} steps, {SHAPES[n]['max_new_tokens']}-token cap" for n in args.shapes)
     print_table(f"B9 yatt-hpc vs TRL {runs[args.shapes[0]]['trl'][0]['versions']['trl']} GRPOTrainer ({shapes}; "
-                f"{args.repeats} turns a side). Seconds, median [min-max]: step wall (steps 2..N), start -> step 1",
+                f"{args.repeats} turns a side). Seconds, median {escape('[min-max]')}: step wall (steps 2..N), "
+                "start -> step 1",
                 ["shape", "side", "step", "start", "tokens", "reward 1-5 -> last 5"], table)
-    print_table("B9 where a step goes (median seconds, steps 2..N; other = step - generation - training: "
+    print_table("B9 where a step goes (median seconds, steps 2..N; other = step - generation - training, per step: "
                 "yatt-hpc's hand-offs and weight sync, TRL's reward call)",
                 ["shape", "side", "step", "generation", "training", "other"], split)
     print_table("B9 start-up marks, seconds after launch (median over turns)", ["shape", "side", "marks"], startup)
