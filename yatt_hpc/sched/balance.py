@@ -78,15 +78,14 @@ def refine(weights: Sequence[float], parts: list[list[int]], max_moves: int | No
            tolerance: float = 1e-4) -> list[list[int]]:
     """Lower the heaviest part of a partition by exchanging whole units with another part (after KK).
 
-    Each round looks at the pairs (heaviest part, any other) and, in each pair, every exchange of up to
-    two units of the heavier against up to two of the lighter
-    (none included: a plain move; pairs only in parts of <= 12 units, steps of <= 256) whose net weight d lies in
-    (0, gap): it applies the one that removes the most from the sum of squared part sums
-    (d * (gap - d)), and stops when none is left, when max/mean is within `tolerance` of 1 or the
-    heaviest part is down to the largest unit, or after
-    `max_moves` (default 4 * number of units). Both sums of a pair stay within the pair's old range,
-    so the maximum never rises; ties break on indices, so every rank computes the same answer. KK alone
-    leaves 1.029 max/mean at 32 groups over 8 ranks (B3, bench/dp_balance.py).
+    Each round pairs the heaviest part with every other and tries every exchange of up to two of its
+    units against up to two of the other's (none: a plain move; pairs only in parts of <= 12 units and
+    steps of <= 256) whose net weight d lies in (0, gap); it applies the one that removes the most from
+    the sum of squared part sums (d * (gap - d)). It stops when none is left, when max/mean is within
+    `tolerance` of 1 or the heaviest part is down to the largest unit, or after `max_moves` (default
+    4 * number of units). Both sums of a pair stay within the pair's old range, so the maximum never
+    rises; ties break on indices, so every rank computes the same answer. KK alone leaves a median
+    1.044 max/mean at 32 groups over 8 ranks (B3, bench/dp_balance.py).
     """
     w = [float(x) for x in weights]
     parts = [sorted(p) for p in parts]
@@ -106,24 +105,24 @@ def refine(weights: Sequence[float], parts: list[list[int]], max_moves: int | No
             break
         order = sorted(range(len(parts)), key=lambda j: (-sums[j], j))
         h = order[0]
-        pairs = [(h, o) for o in order[1:]]
-        best = None  # (squares removed, heavy part, light part, units out of heavy, units out of light, d)
-        for hi, lo in pairs:
-            gap = sums[hi] - sums[lo]
+        give = subsets(parts[h], 1)  # what the heaviest part can give: the same for every partner
+        best = None  # (squares removed, light part, units out of heavy, units out of light, d)
+        for lo in order[1:]:
+            gap = sums[h] - sums[lo]
             if gap <= 0:
                 continue
-            light = subsets(parts[lo], 0)
-            for out_units, out_w in subsets(parts[hi], 1):
-                for in_units, in_w in light:
+            take = subsets(parts[lo], 0)
+            for out_units, out_w in give:
+                for in_units, in_w in take:
                     d = out_w - in_w
                     if 0 < d < gap and (best is None or d * (gap - d) > best[0]):
-                        best = (d * (gap - d), hi, lo, out_units, in_units, d)
+                        best = (d * (gap - d), lo, out_units, in_units, d)
         if best is None:
             break
-        _, hi, lo, out_units, in_units, d = best
-        parts[hi] = sorted(set(parts[hi]) - set(out_units) | set(in_units))
+        _, lo, out_units, in_units, d = best
+        parts[h] = sorted(set(parts[h]) - set(out_units) | set(in_units))
         parts[lo] = sorted(set(parts[lo]) - set(in_units) | set(out_units))
-        sums[hi] -= d
+        sums[h] -= d
         sums[lo] += d
     return parts
 
