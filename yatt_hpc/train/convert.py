@@ -17,6 +17,9 @@ TP group explicitly. Layout facts, checked against megatron-core 0.16 ``SelfAtte
   norms are replicated, Qwen3's per-head ``q_norm``/``k_norm`` (``q_layernorm``/``k_layernorm``,
   ``head_dim`` wide) too. Vocab rows are zero-padded to a multiple of ``tp_size``, then split.
 * GPT-2 stores linears as ``Conv1D`` ([in, out]); Megatron as [out, in].
+* A vision-language checkpoint (Qwen2-VL, names as saved on disk and loaded by SGLang): the language
+  model converts as above from ``model.*``; the HF vision tower is not converted: ``visual.X`` is the
+  trainer model's ``visual.X`` (the same HF module, replicated over TP), copied as is both ways.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
 StateDict = dict[str, torch.Tensor]
 # Buffers some HF checkpoints carry that hold no weights (recomputed by the model).
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+HF_VISION = MEGATRON_VISION = "visual."  # a checkpoint's vision tower, and the trainer model's
 
 
 class Split(enum.Enum):
@@ -136,6 +140,8 @@ def hf_to_megatron(hf_state_dict: StateDict, hf_config: Any, tp_rank: int, tp_si
     """
     arch = describe_hf_config(hf_config, tp_size)
     rules = [rule for unit in weight_rules(arch) for rule in unit]
+    if arch.vision:
+        rules += vision_rules([k for k in hf_state_dict if k.startswith(HF_VISION)], HF_VISION)
     required = {name for rule in rules for name in rule.hf}
     # A tied head is listed by state_dict() but dropped by save_pretrained: accept either.
     optional = {"lm_head.weight"} if arch.tied_embeddings else set()
@@ -148,6 +154,15 @@ def hf_to_megatron(hf_state_dict: StateDict, hf_config: Any, tp_rank: int, tp_si
     return {rule.megatron: _to_megatron(rule, [hf_state_dict[n] for n in rule.hf], arch, tp_rank,
                                         tp_size).contiguous()
             for rule in rules}
+
+
+def vision_rules(names: Sequence[str], prefix: str) -> list[Rule]:
+    """Replicated one-to-one rules for the vision tower's tensors, from names under ``prefix``
+    (``visual.`` on both sides)."""
+    tails = sorted(n[len(prefix):] for n in names if n.startswith(prefix))
+    if not tails:
+        raise KeyError(f"a vision-language checkpoint holds no {prefix}* tensors (its vision tower)")
+    return [Rule(f"{MEGATRON_VISION}{t}", (f"{HF_VISION}{t}",), Split.REPLICATED) for t in tails]
 
 
 def _to_megatron(rule: Rule, hf: list[torch.Tensor], arch: HFArch, rank: int, tp: int) -> torch.Tensor:
@@ -205,12 +220,17 @@ def iter_megatron_to_hf(
     """
     arch = describe_hf_config(hf_config, len(shards))
     yield from _iter_hf(arch, lambda rule: [shard[rule.megatron] for shard in shards],
-                        emit_tied_lm_head)
+                        emit_tied_lm_head, list(shards[0]))
 
 
-def _iter_hf(arch: HFArch, shards_of, emit_tied_lm_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Drive ``_to_hf`` over every rule; ``shards_of(rule)`` returns that tensor's TP shards."""
-    for unit in weight_rules(arch):
+def _iter_hf(arch: HFArch, shards_of, emit_tied_lm_head: bool,
+             megatron_names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drive ``_to_hf`` over every rule; ``shards_of(rule)`` returns that tensor's TP shards.
+    ``megatron_names`` (the trainer-side names) list a vision model's tower tensors."""
+    units = weight_rules(arch)
+    if arch.vision:
+        units.insert(0, vision_rules(megatron_names, MEGATRON_VISION))
+    for unit in units:
         for rule in unit:
             yield from _to_hf(rule, shards_of(rule), arch)
     if arch.tied_embeddings and emit_tied_lm_head:
@@ -268,7 +288,7 @@ def iter_gathered_hf_weights(
             return [tensor]
         return _all_gather(tensor, tp_group, tp_size)
 
-    yield from _iter_hf(arch, shards_of, emit_tied_lm_head)
+    yield from _iter_hf(arch, shards_of, emit_tied_lm_head, list(local))
 
 
 def gather_hf_state_dict(

@@ -17,7 +17,9 @@ by always passing an explicit mask, see ``megatron_model.causal_attention_mask``
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -64,6 +66,24 @@ def make_rope_cpu_safe(model: torch.nn.Module) -> int:
             module.__class__ = _CpuRotaryEmbedding
             changed += 1
     return changed
+
+
+@contextlib.contextmanager
+def cuda_device_on_cpu() -> Iterator[None]:
+    """While building a model on CPU, ``torch.cuda.current_device()`` answers ``"cpu"``.
+
+    ``MultimodalRotaryEmbedding.__init__`` (M-RoPE, rotary_pos_embedding.py) builds ``inv_freq`` with
+    ``device=torch.cuda.current_device()`` and has no CPU branch. A no-op on CUDA.
+    """
+    if not is_cpu_runtime():
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
 
 
 class _CpuGlobalMemoryBuffer(GlobalMemoryBuffer):

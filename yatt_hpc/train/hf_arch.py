@@ -9,7 +9,9 @@ imports neither torch nor megatron: it is plain arithmetic on the config.
 
 Maps: ``gpt2``; ``llama`` (GQA, Llama-3 ``llama3`` and ``linear`` RoPE scaling); ``qwen2`` (Qwen2 and
 Qwen2.5: fixed Q/K/V biases); ``qwen3`` (per-head q/k RMSNorm, ``head_dim`` independent of
-``hidden_size``). A setting the Megatron model would compute differently (sliding windows, other RoPE
+``hidden_size``); ``qwen2_vl`` (Qwen2-VL: its ``text_config`` is a Qwen2 language model with M-RoPE,
+``mrope_section`` (temporal, height, width) rotary channels; the HF vision tower rides along
+unconverted, see ``vision``). A setting the Megatron model would compute differently (sliding windows, other RoPE
 types, other bias layouts, attention dropout) raises, naming the config.json field and its value.
 """
 from __future__ import annotations
@@ -18,7 +20,8 @@ import dataclasses
 from typing import Any, Literal
 
 Family = Literal["gpt2", "llama", "qwen2", "qwen3"]
-SUPPORTED_MODEL_TYPES: tuple[Family, ...] = ("gpt2", "llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3", "qwen2_vl")
+VISION_MODEL_TYPES = ("qwen2_vl",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,12 @@ class HFArch:
     """Llama-3 style frequency scaling factor, None when the config asks for plain RoPE."""
     rope_interpolation_factor: float | None
     """``linear`` RoPE scaling: positions are divided by this factor; None for none."""
+    mrope_section: tuple[int, ...] | None = None
+    """M-RoPE (Qwen2-VL): rotary frequency pairs given to the temporal, height and width position ids
+    (sums to ``head_dim / 2``); None for 1-D RoPE or learned positions."""
+    vision: bool = False
+    """A vision-language checkpoint: besides the language model (``model.*`` on disk) it holds a
+    vision tower (``visual.*``), which the trainer keeps as HF's own module."""
 
     @property
     def gated_mlp(self) -> bool:
@@ -75,9 +84,12 @@ def describe_hf_config(hf_config: Any, tp_size: int) -> HFArch:
             f"hf_config.model_type={model_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    arch = _describe_gpt2(hf_config, tp_size) if model_type == "gpt2" else _describe_rope_family(
-        hf_config, tp_size
-    )
+    if model_type == "gpt2":
+        arch = _describe_gpt2(hf_config, tp_size)
+    elif model_type in VISION_MODEL_TYPES:
+        arch = _describe_vision_language(hf_config, tp_size)
+    else:
+        arch = _describe_rope_family(hf_config, tp_size, model_type)
     _check_tp_divisibility(arch, tp_size)
     return arch
 
@@ -111,10 +123,24 @@ def _describe_gpt2(c: Any, tp_size: int) -> HFArch:
     )
 
 
-def _describe_rope_family(c: Any, tp_size: int) -> HFArch:
-    family: Family = c.model_type
+def _describe_vision_language(c: Any, tp_size: int) -> HFArch:
+    """Qwen2-VL: the text config as a Qwen2 language model with M-RoPE."""
+    text = c.text_config
+    arch = _describe_rope_family(text, tp_size, "qwen2", mrope=True)
+    section = tuple(int(x) for x in (text.rope_parameters or {}).get("mrope_section") or ())
+    if len(section) != 3 or sum(section) * 2 != arch.head_dim:
+        raise NotImplementedError(
+            f"config.json text_config.rope_parameters.mrope_section={list(section)}: need three "
+            f"(temporal, height, width) counts summing to head_dim/2={arch.head_dim // 2}")
+    if arch.tied_embeddings != bool(getattr(c, "tie_word_embeddings", arch.tied_embeddings)):
+        raise NotImplementedError("config.json tie_word_embeddings differs between the top level and text_config; "
+                                  "make them equal")
+    return dataclasses.replace(arch, mrope_section=section, vision=True)
+
+
+def _describe_rope_family(c: Any, tp_size: int, family: Family, mrope: bool = False) -> HFArch:
     _refuse_unmapped_options(c, family)
-    theta, scaling, interpolation = _rope_parameters(c)
+    theta, scaling, interpolation = _rope_parameters(c, mrope)
     heads = c.num_attention_heads
     return HFArch(
         family=family,
@@ -170,13 +196,16 @@ _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_
 _ROPE_KEYS = {"default": set(), "linear": {"factor"}, "llama3": {"factor", *_LLAMA3_FIXED}}
 
 
-def _rope_parameters(c: Any) -> tuple[float, float | None, float | None]:
+def _rope_parameters(c: Any, mrope: bool = False) -> tuple[float, float | None, float | None]:
     """(theta, llama3 factor, linear factor) from ``rope_parameters`` (transformers 5; config.json
     files of 4.x spell it ``rope_theta`` + ``rope_scaling``, which transformers 5 folds in)."""
     params = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
     theta = float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     field = "rope_parameters (rope_scaling in transformers 4 config.json files)"
+    if mrope and rope_type != "default":
+        raise NotImplementedError(f"config.json {field}.rope_type={rope_type!r} with M-RoPE: Megatron's "
+                                  "MultimodalRotaryEmbedding has no scaling; only 'default' maps")
     if rope_type not in _ROPE_KEYS:
         raise NotImplementedError(
             f"config.json {field}.rope_type={rope_type!r} has no twin in Megatron's RotaryEmbedding; "
@@ -184,8 +213,8 @@ def _rope_parameters(c: Any) -> tuple[float, float | None, float | None]:
     if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
         raise NotImplementedError(f"config.json {field}.partial_rotary_factor="
                                   f"{params['partial_rotary_factor']}: only 1.0 (full rotary) maps")
-    unknown = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
-                     - _ROPE_KEYS[rope_type])
+    known = {"rope_type", "type", "rope_theta", "partial_rotary_factor"} | ({"mrope_section"} if mrope else set())
+    unknown = sorted(set(params) - known - _ROPE_KEYS[rope_type])
     if unknown:
         raise NotImplementedError(f"config.json {field} has {unknown}, which rope_type={rope_type!r} "
                                   "in Megatron does not read")

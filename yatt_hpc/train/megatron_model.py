@@ -8,13 +8,18 @@
 
 Two block styles: GPT-2 (learned positions, LayerNorm with bias, biased linears, HF's exact GELU
 variant, tied embeddings) and Llama/Qwen2/Qwen3 (RoPE with Llama-3 or linear scaling, RMSNorm,
-SwiGLU, GQA, Qwen2's QKV bias, Qwen3's per-head q/k RMSNorm). Layers come from
+SwiGLU, GQA, Qwen2's QKV bias, Qwen3's per-head q/k RMSNorm). A Qwen2-VL checkpoint gives a Qwen2
+GPTModel with M-RoPE (``position_embedding_type="mrope"``) that also holds the HF vision tower as
+``model.visual`` (replicated over TP; frozen unless asked to train): ``forward_logits`` with
+``pixel_values`` runs the tower, writes its features over the image-pad rows of the token embedding
+and hands that to the decoder as ``decoder_input`` (the structure of Megatron-Bridge's Qwen2.5-VL). Layers come from
 ``get_gpt_layer_local_spec()`` (plain torch, no Transformer Engine), so the same model runs on CPU
 with gloo (see ``cpu_compat``) and on GPU with NCCL.
 """
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -124,6 +129,7 @@ def build_transformer_config(
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
+        mrope_section=list(arch.mrope_section) if arch.mrope_section else None,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
     )
@@ -134,28 +140,22 @@ def build_gpt_model(
     tp_size: int,
     params_dtype: torch.dtype = torch.float32,
     parallel_output: bool = True,
+    train_vision: bool = False,
 ) -> GPTModel:
     """This rank's TP shard of a GPTModel shaped like ``hf_config`` (randomly initialised).
 
     Needs :func:`initialize_model_parallel` first. With ``parallel_output=True`` the logits stay
-    vocab-parallel ([B, T, padded_vocab / tp]), which is what ``logprobs`` expects.
+    vocab-parallel ([B, T, padded_vocab / tp]), which is what ``logprobs`` expects. A vision-language
+    config also builds its HF vision tower as ``model.visual``, trainable when ``train_vision``.
     """
     arch = describe_hf_config(hf_config, tp_size)
     config = build_transformer_config(arch, tp_size, params_dtype)
     rope = arch.rope_theta is not None
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=_layer_spec(arch, config),
-        vocab_size=arch.padded_vocab_size,
-        max_sequence_length=arch.max_positions,
-        parallel_output=parallel_output,
-        share_embeddings_and_output_weights=arch.tied_embeddings,
-        position_embedding_type="rope" if rope else "learned_absolute",
-        rotary_base=int(arch.rope_theta) if rope else 10000,
-        rope_scaling=arch.rope_scaling_factor is not None,
-        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
-        seq_len_interpolation_factor=arch.rope_interpolation_factor,
-    )
+    with cpu_compat.cuda_device_on_cpu():  # MultimodalRotaryEmbedding asks torch.cuda for a device
+        model = _gpt_model(arch, config, parallel_output, rope)
+    if arch.vision:
+        model.visual = _vision_tower(hf_config).requires_grad_(train_vision)
+        model.image_token_id = int(hf_config.image_token_id)
     cpu_compat.make_rope_cpu_safe(model)
     if params_dtype != torch.float32:
         # what Megatron's Float16Module does: the norms and position embeddings of the local spec are
@@ -164,6 +164,29 @@ def build_gpt_model(
     if not cpu_compat.is_cpu_runtime():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def _gpt_model(arch: HFArch, config: TransformerConfig, parallel_output: bool, rope: bool) -> GPTModel:
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(arch, config),
+        vocab_size=arch.padded_vocab_size,
+        max_sequence_length=arch.max_positions,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=arch.tied_embeddings,
+        position_embedding_type="mrope" if arch.mrope_section else "rope" if rope else "learned_absolute",
+        rotary_base=int(arch.rope_theta) if rope else 10000,
+        rope_scaling=arch.rope_scaling_factor is not None,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+        seq_len_interpolation_factor=arch.rope_interpolation_factor,
+    )
+
+
+def _vision_tower(hf_config: Any) -> torch.nn.Module:
+    """The HF vision tower of a Qwen2-VL config (random init; the converter loads its weights)."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    return Qwen2VisionTransformerPretrainedModel._from_config(hf_config.vision_config)
 
 
 def _layer_spec(arch: HFArch, config: TransformerConfig) -> ModuleSpec:
@@ -214,11 +237,47 @@ def causal_attention_mask(seq_len: int, device: torch.device | str) -> torch.Ten
 
 
 def forward_logits(
-    model: GPTModel, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    model: GPTModel, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+    images: VisionInputs | None = None,
 ) -> torch.Tensor:
-    """Logits [B, T, V_local] for right-padded ``input_ids`` [B, T] (causal mask, positions 0..T-1)."""
+    """Logits [B, T, V_local] for right-padded ``input_ids`` [B, T] (causal mask, positions 0..T-1).
+
+    With ``images`` (a vision model's batch: pixel values of every image of the rows in order, their
+    grids, and M-RoPE ``position_ids`` [3, B, T]) the tower's features replace the image-pad rows.
+    """
     batch, seq_len = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
     mask = causal_attention_mask(seq_len, input_ids.device)
-    return model(input_ids, position_ids, mask)
+    if images is None:
+        return model(input_ids, position_ids, mask)
+    return model(input_ids, images.position_ids, mask, decoder_input=vision_decoder_input(model, input_ids, images))
+
+
+@dataclass
+class VisionInputs:
+    """What a vision model's forward needs beyond the tokens (built on the rank that runs it)."""
+
+    pixel_values: torch.Tensor | None
+    """[patches, C * temporal_patch * patch * patch] of every image of the batch, row by row; None when no
+    row of the batch holds an image."""
+    image_grid_thw: torch.Tensor | None
+    """[images, 3] (temporal, height, width) patch grid of each image."""
+    position_ids: torch.Tensor
+    """[3, B, T] M-RoPE positions."""
+
+
+def vision_decoder_input(model: GPTModel, input_ids: torch.Tensor, images: VisionInputs) -> torch.Tensor:
+    """[T, B, H] token embeddings with the vision tower's features over the image-pad tokens (in row-major
+    (row, position) order, the order HF's ``masked_scatter`` gives)."""
+    embeds = model.embedding(input_ids=input_ids, position_ids=None)
+    where = (input_ids == model.image_token_id).nonzero(as_tuple=True)  # (rows, positions)
+    if images.pixel_values is None:
+        if where[0].numel():
+            raise ValueError(f"{where[0].numel()} image-pad tokens but no images in the batch")
+        return embeds
+    features = model.visual(images.pixel_values.to(embeds.dtype), grid_thw=images.image_grid_thw).pooler_output
+    if features.shape[0] != where[0].numel():
+        raise ValueError(f"the batch has {where[0].numel()} image-pad tokens but its images give "
+                         f"{features.shape[0]} features (grids {images.image_grid_thw.tolist()})")
+    return embeds.index_put((where[1], where[0]), features.to(embeds.dtype))

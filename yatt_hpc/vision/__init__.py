@@ -1,0 +1,1 @@
+"""Images: reading and checking encoded images, and a vision-language model's image inputs (processor)."""
