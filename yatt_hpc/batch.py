@@ -6,7 +6,11 @@
 Per-sample columns hold one value per sample; the RAGGED token columns are stored flat, with a
 per-sample length column (`prompt_len`, `response_len`, `answer_len`, `question_len`, `metadata_len`,
 and `response_len` again for `logprobs`). `question` is the user's text (not the templated prompt),
-`metadata` the row's other columns as JSON; both reach the reward terms. `comm.transport` moves a
+`metadata` the row's other columns as JSON; both reach the reward terms. A row's images travel as
+their ENCODED bytes (`images`, `image_sizes` the byte length of each), once per prompt group: only
+the group's first sample (`sample_id % n == 0`) carries them, the others have `image_count` 0, and
+`group_images()` gives every group's images from whichever of its samples carries them. Decoded
+pixels never enter a batch: each consumer builds its own model inputs (`vision/processor.py`). `comm.transport` moves a
 batch between ranks as raw buffers; the trainer, the engines and the judge read it. Nothing else
 about a sample exists outside these columns.
 
@@ -25,7 +29,11 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-RAGGED = ("prompt_tokens", "response_tokens", "logprobs", "answer", "question", "metadata")
+LENGTH_OF = {"prompt_tokens": "prompt_len", "response_tokens": "response_len", "logprobs": "response_len",
+             "answer": "answer_len", "question": "question_len", "metadata": "metadata_len",
+             "images": "images_len", "image_sizes": "image_count"}
+"""Each ragged (flat) column and the per-sample column holding its length in elements."""
+RAGGED = tuple(LENGTH_OF)
 
 
 @dataclass
@@ -51,6 +59,10 @@ class SampleBatch:
     rule_score: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     genrm_score: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     parse_fail: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
+    image_count: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # 0 but on a group's first
+    image_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # bytes of each image
+    images_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    images: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # encoded images (PNG, JPEG..)
 
     def __post_init__(self) -> None:
         self._wire: tuple[np.ndarray, tuple] | None = None  # (buffer, the column objects it backs)
@@ -72,8 +84,18 @@ class SampleBatch:
 
     def ragged(self, name: str) -> list[np.ndarray]:
         """Split a flat ragged column (`prompt_tokens`, `response_tokens`, `logprobs`, `answer`) per sample."""
-        lengths = self.response_len if name == "logprobs" else getattr(self, name.split("_")[0] + "_len")
-        return np.split(getattr(self, name), np.cumsum(lengths)[:-1]) if len(self) else []
+        return np.split(getattr(self, name), np.cumsum(getattr(self, LENGTH_OF[name]))[:-1]) if len(self) else []
+
+    def group_images(self) -> dict[int, list[np.ndarray]]:
+        """{prompt_id: its images' encoded bytes (uint8 views)} for every group whose carrier sample
+        is in this batch (none for text-only rows)."""
+        out: dict[int, list[np.ndarray]] = {}
+        if not len(self) or not self.image_count.any():
+            return out
+        images, sizes = self.ragged("images"), self.ragged("image_sizes")
+        for i in np.flatnonzero(self.image_count):
+            out[int(self.prompt_id[i])] = np.split(images[i], np.cumsum(sizes[i])[:-1])
+        return out
 
     def answers(self) -> list[str]:
         return [a.tobytes().decode("utf-8") for a in self.ragged("answer")]
@@ -106,8 +128,7 @@ class SampleBatch:
         sizes = {}
         for name in COLUMNS:
             if name in RAGGED:
-                lengths = self.response_len if name == "logprobs" else getattr(self, name.split("_")[0] + "_len")
-                sizes[name] = int(lengths[index].sum()) if n else 0
+                sizes[name] = int(getattr(self, LENGTH_OF[name])[index].sum()) if n else 0
             else:
                 sizes[name] = n
         buffer, views = _layout(n, sizes)
@@ -137,6 +158,19 @@ class SampleBatch:
             if views[name].size:
                 np.concatenate([getattr(b, name) for b in batches], out=views[name])
         return _adopt(buffer, views)
+
+
+def image_columns(images: list[list[bytes]], n: int) -> dict[str, np.ndarray]:
+    """The batch's image columns for `n` samples of each row: the encoded bytes ride on each group's
+    first sample only (once per group; see batch.py)."""
+    count = np.zeros(len(images) * n, np.int32)
+    count[::n] = [len(row) for row in images]
+    sizes = [len(b) for row in images for b in row]
+    flat = [np.frombuffer(b, np.uint8) for row in images for b in row]
+    per_sample = np.zeros(len(images) * n, np.int32)
+    per_sample[::n] = [sum(len(b) for b in row) for row in images]
+    return {"image_count": count, "image_sizes": np.asarray(sizes, np.int32), "images_len": per_sample,
+            "images": np.concatenate(flat) if flat else np.zeros(0, np.uint8)}
 
 
 COLUMNS = [f.name for f in fields(SampleBatch)]

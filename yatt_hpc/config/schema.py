@@ -133,6 +133,10 @@ class TrainConfig(Section):
     over plain token counts, or none. Whole GRPO groups move; a group is never split."""
     balance_flops_coeff: float | None = Field(None, gt=0)
     """`a` in the FLOPs proxy a*L + L^2; null derives 6*hidden_size from the model."""
+    train_vision_tower: bool = False
+    """Vision-language policies (Qwen2-VL): train the vision tower too (it is then in the optimizer, the
+    data-parallel all-reduce and the weight sync); false keeps it frozen at the checkpoint's weights and
+    syncs only the language model. True with a text-only model is refused."""
 
 
 class DynamicSamplingConfig(Section):

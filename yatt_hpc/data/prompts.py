@@ -40,6 +40,7 @@ from yatt_hpc.demo.task import SPLITS, demo_row
 if TYPE_CHECKING:
     from yatt_hpc.config.schema import DataConfig
     from yatt_hpc.data.tokenizer import Tokenizer
+    from yatt_hpc.vision.processor import ImageProcessor
 
 __all__ = ["BasePromptSource", "DatasetError", "DemoTaskSource", "JsonlSource", "ParquetSource", "PromptRow",
            "PromptStream", "RowSchema", "ShardedSource", "build_prompt_source", "epoch_permutation",
@@ -147,17 +148,18 @@ def _open_file(path: Path, schema: RowSchema | None) -> FileSource:
 
 
 def build_prompt_source(data: DataConfig, tokenizer: Tokenizer | None = None, *,
-                        require_answer: bool = True) -> PromptStream:
+                        require_answer: bool = True, images: ImageProcessor | None = None) -> PromptStream:
     """The configured prompts in the configured order. The first row is read (and, with a tokenizer,
     encoded) at once, so that a misnamed column or a missing template fails before any training; every
     other row is checked when it is read. `require_answer=False` (no rule term scores the run) lets
-    rows go without data.answer_key."""
+    rows go without data.answer_key. `images`: a vision-language policy's processor (rows' images
+    expand to their image-pad tokens)."""
     schema = RowSchema(format=data.format, prompt_key=data.prompt_key, answer_key=data.answer_key,
                        messages_key=data.messages_key, system_prompt=data.system_prompt,
                        require_answer=require_answer,
                        metadata_columns=None if data.metadata_columns is None else tuple(data.metadata_columns))
     source = open_prompt_source(data.source, schema, num_prompts=data.num_prompts)
-    encode = build_prompt_encoder(data, tokenizer) if tokenizer is not None else None
+    encode = build_prompt_encoder(data, tokenizer, images) if tokenizer is not None else None
     first = source.probe()
     if encode is not None:
         encode(first)

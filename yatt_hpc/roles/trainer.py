@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from yatt_hpc.batch import SampleBatch
+from yatt_hpc.batch import SampleBatch, image_columns
 from yatt_hpc.ckpt import RankState, capture_rng, load_optimizer_tensors, optimizer_tensors, restore_rng
 from yatt_hpc.comm.prompt_routing import build_router
 from yatt_hpc.comm.rebalance import Rebalancer
@@ -56,6 +56,7 @@ from yatt_hpc.sched.dynamic_sampling import DynamicSampler, has_signal
 from yatt_hpc.sched.overdispatch import PromptQueue, dispatch_count
 from yatt_hpc.sched.routing import Routes
 from yatt_hpc.train.grpo import group_advantages
+from yatt_hpc.vision.processor import ImageProcessor, is_vision_model
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,9 @@ class TrainerController(BaseController):
         self.protocol = protocol
         self.consumed = ConsumedLog(run_dir / "data" / f"consumed-dp{self.dp_rank}.jsonl", enabled=self.is_owner)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.source = build_prompt_source(cfg.data, self.tokenizer, require_answer=cfg.reward.mode != "rm_only")
+        images = ImageProcessor.from_model_dir(cfg.model.path) if is_vision_model(cfg.model.path) else None
+        self.source = build_prompt_source(cfg.data, self.tokenizer, require_answer=cfg.reward.mode != "rm_only",
+                                          images=images)
         addr, port = self._rendezvous()
         tp = world.plan.group("trainer").size("tp")
         device = rank_device(world)
@@ -216,6 +219,7 @@ class TrainerController(BaseController):
             question=np.concatenate([questions[i] for i in rep]) if rows else np.zeros(0, np.uint8),
             metadata_len=np.array([len(metadata[i]) for i in rep], np.int32),
             metadata=np.concatenate([metadata[i] for i in rep]) if rows else np.zeros(0, np.uint8),
+            **image_columns([r.get("images") or [] for r in rows], self.n),
         )
         groups_to = self.router.assign(self.routes, [self.n * (len(p) + self.expected_response) for p in prompts])
         rank_of = np.repeat(np.asarray(groups_to, np.int64), self.n)
@@ -357,3 +361,4 @@ class TrainerController(BaseController):
             self.stats.add(key, float(value))
         self.stats.values["grad_norm"] = update.grad_norm
         self.stats.values["logp_diff_max"] = update.logp_diff_max
+

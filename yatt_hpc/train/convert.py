@@ -223,12 +223,12 @@ def iter_megatron_to_hf(
                         emit_tied_lm_head, list(shards[0]))
 
 
-def _iter_hf(arch: HFArch, shards_of, emit_tied_lm_head: bool,
-             megatron_names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_hf(arch: HFArch, shards_of, emit_tied_lm_head: bool, megatron_names: Sequence[str],
+             vision: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Drive ``_to_hf`` over every rule; ``shards_of(rule)`` returns that tensor's TP shards.
-    ``megatron_names`` (the trainer-side names) list a vision model's tower tensors."""
+    ``megatron_names`` (the trainer-side names) list a vision model's tower tensors (none: ``vision``)."""
     units = weight_rules(arch)
-    if arch.vision:
+    if arch.vision and vision:
         units.insert(0, vision_rules(megatron_names, MEGATRON_VISION))
     for unit in units:
         for rule in unit:
@@ -270,13 +270,14 @@ def _deinterleave_qkv(fused: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
 
 
 def iter_gathered_hf_weights(
-    model: torch.nn.Module, hf_config: Any, tp_group: Any, emit_tied_lm_head: bool = True
+    model: torch.nn.Module, hf_config: Any, tp_group: Any, emit_tied_lm_head: bool = True, vision: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """All-gather the live model's TP shards one tensor at a time and yield full HF tensors.
 
     ``model`` is the bare GPTModel (unprefixed state-dict names, not a DDP wrapper).
     Collective: every rank of ``tp_group`` must drain the iterator in lockstep. Every rank gets the
     full tensors; callers usually keep them on TP rank 0 only. Peak extra memory is one tensor.
+    ``vision=False`` leaves out a vision model's tower (frozen: the engines already hold it).
     """
     tp_size = torch.distributed.get_world_size(tp_group)
     arch = describe_hf_config(hf_config, tp_size)
@@ -288,7 +289,8 @@ def iter_gathered_hf_weights(
             return [tensor]
         return _all_gather(tensor, tp_group, tp_size)
 
-    yield from _iter_hf(arch, shards_of, emit_tied_lm_head, list(local))
+    names = list(local) if vision else [n for n in local if not n.startswith(MEGATRON_VISION)]
+    yield from _iter_hf(arch, shards_of, emit_tied_lm_head, names, vision)
 
 
 def gather_hf_state_dict(

@@ -14,6 +14,11 @@ backward, weight sync and the engines all in bf16); AdamW runs on fp32 master co
 backward the bf16 gradients are moved into fp32 master gradients, reduced and clipped there; the
 optimizer steps the masters and the bf16 parameters are rounded from them. Checkpoints hold the
 fp32 masters, so a resumed bf16 run continues from exactly the same state.
+
+A vision-language policy (Qwen2-VL): each update decodes every group's images once, from the encoded
+bytes the batch carries, into pixel values on this rank (`vision/processor.py`); every micro-batch's
+forward gets its rows' pixels, grids and M-RoPE positions. The vision tower trains only with
+`train.train_vision_tower` (then it is in the optimizer, the DP all-reduce and the weight sync).
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from yatt_hpc.train import convert, megatron_model
 from yatt_hpc.train.grpo import policy_loss
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
+from yatt_hpc.vision.processor import ImageProcessor, decode_rgb
 
 
 @dataclass
@@ -62,12 +68,15 @@ def load_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 class MegatronPolicy:
-    def __init__(self, model, hf_config, cfg: TrainConfig, reference=None, temperature: float = 1.0):
+    def __init__(self, model, hf_config, cfg: TrainConfig, reference=None, temperature: float = 1.0,
+                 images: ImageProcessor | None = None):
         self.model = model
         self.hf_config = hf_config
         self.cfg = cfg
         self.reference = reference
-        self.named_params = dict(model.named_parameters())
+        self.images = images  # a vision-language policy's image processor, else None
+        self.vocab_size = hf_config.get_text_config().vocab_size
+        self.named_params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # not a frozen tower
         self.mixed = any(p.dtype != torch.float32 for p in self.named_params.values())
         # fp32 masters for a bf16 model (the optimizer's parameters); the model's own otherwise
         self.master = {name: _master_copy(p) for name, p in self.named_params.items()} if self.mixed \
@@ -87,14 +96,20 @@ class MegatronPolicy:
         hf_config = AutoConfig.from_pretrained(str(model_dir))
         hf_state = load_hf_state_dict(model_dir)
         shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank, tp_size)
-        model = megatron_model.build_gpt_model(hf_config, tp_size, params_dtype=dtype)
+        vision = hasattr(hf_config, "vision_config")
+        if cfg.train_vision_tower and not vision:
+            raise ValueError(f"train.train_vision_tower=true but model.path={str(model_dir)!r} has no vision tower "
+                             "(config.json has no vision_config); drop the setting or use a vision-language model")
+        model = megatron_model.build_gpt_model(hf_config, tp_size, params_dtype=dtype,
+                                               train_vision=cfg.train_vision_tower)
         megatron_model.load_megatron_shard(model, shard)
         reference = None
         if cfg.kl_coef > 0:
             reference = megatron_model.build_gpt_model(hf_config, tp_size, params_dtype=dtype)
             megatron_model.load_megatron_shard(reference, shard)
             reference.eval().requires_grad_(False)
-        return cls(model, hf_config, cfg, reference, temperature=temperature)
+        images = ImageProcessor.from_model_dir(model_dir) if vision else None
+        return cls(model, hf_config, cfg, reference, temperature=temperature, images=images)
 
     # ------------------------------------------------------------------ the update
 
@@ -102,11 +117,12 @@ class MegatronPolicy:
         """One optimizer step (per `updates_per_step` pass) over this replica's samples."""
         totals = UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         self.model.train()
+        pixels = self._group_pixels(batch)
         for update in range(self.cfg.updates_per_step):
             self.optimizer.zero_grad(set_to_none=True)
             for start in range(0, len(batch), self.cfg.micro_batch_size):
                 index = np.arange(start, min(start + self.cfg.micro_batch_size, len(batch)))
-                stats = self._micro_step(batch.select(index), advantages[index], global_tokens)
+                stats = self._micro_step(batch.select(index), advantages[index], global_tokens, pixels)
                 ACTIVITY.progress()
                 for key in ("loss", "kl", "entropy", "clip_frac", "tokens"):
                     setattr(totals, key, getattr(totals, key) + getattr(stats, key))
@@ -126,18 +142,45 @@ class MegatronPolicy:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float) -> UpdateStats:
+    def _group_pixels(self, batch: SampleBatch) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """{prompt_id: (pixel values, grids)} of every group with images, decoded once per group here."""
+        if self.images is None:
+            return {}
+        return {pid: self.images.pixel_inputs([decode_rgb(b) for b in images])
+                for pid, images in batch.group_images().items()}
+
+    def vision_inputs(self, mb: SampleBatch, inputs: torch.Tensor,
+                      pixels: dict[int, tuple[np.ndarray, np.ndarray]]) -> megatron_model.VisionInputs | None:
+        """The micro-batch's pixels, grids and M-RoPE positions (None for a text policy)."""
+        if self.images is None:
+            return None
+        rows = [pixels.get(int(pid), (np.zeros((0, 0), np.float32), np.zeros((0, 3), np.int64)))
+                for pid in mb.prompt_id]
+        for ids, (_, grids), origin in zip(inputs, rows, mb.sample_id):
+            self.images.check_tokens(ids.tolist(), grids, f"sample {int(origin)}")
+        positions = np.stack([self.images.mrope_positions(ids.tolist(), grids)
+                              for ids, (_, grids) in zip(inputs, rows)], axis=1)
+        with_images = [r for r in rows if len(r[1])]
+        to = self.device
+        return megatron_model.VisionInputs(
+            torch.from_numpy(np.concatenate([p for p, _ in with_images])).to(to) if with_images else None,
+            torch.from_numpy(np.concatenate([g for _, g in with_images])).to(to) if with_images else None,
+            torch.from_numpy(positions).to(to))
+
+    def _micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float,
+                    pixels: dict[int, tuple[np.ndarray, np.ndarray]]) -> UpdateStats:
         tokens, mask, old_logp = (t.to(self.device) for t in pack_micro_batch(mb))
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        logits = megatron_model.forward_logits(self.model, inputs)
-        logp, entropy = token_logprobs_and_entropy(logits, targets, self.tp_group, self.hf_config.vocab_size,
+        images = self.vision_inputs(mb, inputs, pixels)
+        logits = megatron_model.forward_logits(self.model, inputs, images=images)
+        logp, entropy = token_logprobs_and_entropy(logits, targets, self.tp_group, self.vocab_size,
                                                    self.temperature)
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad():
-                ref_logits = megatron_model.forward_logits(self.reference, inputs)
+                ref_logits = megatron_model.forward_logits(self.reference, inputs, images=images)
                 ref_logp, _ = token_logprobs_and_entropy(ref_logits, targets, self.tp_group,
-                                                         self.hf_config.vocab_size, self.temperature)
+                                                         self.vocab_size, self.temperature)
         adv_tok = torch.from_numpy(adv).float().to(logp.device)[:, None].expand_as(logp)
         loss, stats = policy_loss(logp, old_logp, adv_tok, mask, clip_low=self.cfg.clip_low,
                                   clip_high=self.cfg.clip_high, token_count=global_tokens, ref_logp=ref_logp,
@@ -234,7 +277,8 @@ class MegatronPolicy:
 
     def hf_weights(self):
         """(hf_name, tensor) of the full model; collective over the TP group (all TP ranks iterate)."""
-        return convert.iter_gathered_hf_weights(self.model, self.hf_config, self.tp_group)
+        return convert.iter_gathered_hf_weights(self.model, self.hf_config, self.tp_group,
+                                                vision=self.cfg.train_vision_tower)
 
 
 def _master_copy(p: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,42 @@ import numpy as np
 IMAGE_PLACEHOLDER = "<image>"
 """Where a row's prompt text puts an image (the convention of the peers' datasets, e.g. geo3k)."""
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+VISION_MARK = VISION_START + IMAGE_PAD + VISION_END
+"""What one image is in a Qwen2-VL prompt's text before its pad is expanded."""
 
 
 class ImageTokenError(ValueError):
     """A prompt whose image placeholders do not match its images; the message names the fix."""
+
+
+def image_size(data: bytes | np.ndarray, origin: str) -> tuple[int, int]:
+    """(width, height) from an encoded image's header (no pixels decoded)."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(bytes(data))) as image:
+            return image.size
+    except (UnidentifiedImageError, OSError) as err:
+        raise ImageTokenError(f"{origin}: an image's bytes are not a readable image ({err}); fix or drop the "
+                              "row's image") from None
+
+
+def decode_rgb(data: bytes | np.ndarray):
+    """An encoded image as an RGB PIL image (the consumers' decode)."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(bytes(data))) as image:
+        return image.convert("RGB")
+
+
+def is_vision_model(model_dir: str | Path) -> bool:
+    """True for a checkpoint whose config.json has a vision tower (Qwen2-VL)."""
+    config = Path(model_dir) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
 @dataclass(frozen=True)
