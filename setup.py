@@ -34,6 +34,7 @@ setup(
         "PyYAML>=6.0",
         "rich>=13.0",
         "numpy>=1.26",
+        "pillow>=10",  # images of multimodal datasets (yatt_hpc/vision): header checks, decoding, the shapes demo
         "matplotlib>=3.8",
         "math-verify>=0.9,<1",  # the `math` reward term (HF's answer extraction + equivalence; latex2sympy2_extended)
     ],

@@ -15,6 +15,7 @@ from yatt_hpc.data.prompts import DatasetError
 from yatt_hpc.data.tokenizer import TokenizerError
 from yatt_hpc.placement import PlanError
 from yatt_hpc.reward.errors import RewardError
+from yatt_hpc.vision.images import ImageError
 
 
 class InputError(Exception):
@@ -22,4 +23,4 @@ class InputError(Exception):
 
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, LaunchMismatch, DatasetError, InputError,
-                                                DiskFullError, TokenizerError, RewardError)
+                                                DiskFullError, TokenizerError, RewardError, ImageError)

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 EFFECTS = "tests/unit/test_config_effects.py"
 REWARD = "tests/unit/test_reward_controller.py"  # the GenRM controller built from reward configs
 TERMS = "tests/unit/test_reward_terms.py::test_refused_reward_terms_name_the_field_and_the_fix"
+IMAGES = "tests/unit/test_image_rows.py"  # image rows: data.images_key, data.max_image_pixels
 RUN = "tests/mpi/test_config_effects_run.py"  # two real runs that differ in the fields only a run shows
 
 EFFECT: dict[str, str] = {
@@ -48,6 +49,8 @@ EFFECT: dict[str, str] = {
                           "test_messages_and_prompt_strings_go_through_the_tokenizers_chat_template",
     "data.chat_template": "tests/unit/test_chat_prompts.py::test_a_chat_template_file_overrides_the_tokenizers",
     "data.metadata_columns": "tests/unit/test_datasets.py::test_metadata_columns_select_what_reward_functions_see",
+    "data.images_key": f"{IMAGES}::test_images_key_and_max_image_pixels_reach_the_row_reader",
+    "data.max_image_pixels": f"{IMAGES}::test_images_key_and_max_image_pixels_reach_the_row_reader",
     # ---------------------------------------------------------------- train (MegatronPolicy takes cfg.train)
     "train.steps": "tests/mpi/test_grpo_run.py::test_metrics_are_consistent",
     "train.seed": f"{EFFECTS}::test_train_seed_seeds_the_rollout_engine",
@@ -170,6 +173,8 @@ REFUSED: dict[str, str] = {
     "data.system_prompt": "tests/unit/test_chat_prompts.py::test_chat_fields_are_refused_in_text_format",
     "data.chat_template": "tests/unit/test_chat_prompts.py::test_chat_fields_are_refused_in_text_format",
     "data.num_prompts": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
+    "data.images_key": f"{IMAGES}::test_image_fields_are_refused_where_they_cannot_act",  # with a demo source
+    "data.max_image_pixels": f"{IMAGES}::test_image_fields_are_refused_where_they_cannot_act",  # without images
     "model.dtype": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",
     "train.steps": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
     "train.prompts_per_step": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",

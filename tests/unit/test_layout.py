@@ -21,7 +21,8 @@ ALLOWED = {
     "rollout": {"activity", "offload"},
     "train": {"activity", "batch", "config", "offload"},
     "reward": {"rollout", "data"},  # the judge runs on a rollout engine with the tokenizer data/ loads
-    "data": {"config", "demo"},
+    "data": {"config", "demo", "vision"},
+    "vision": set(),  # a leaf: every component may decode images
 }
 
 
@@ -48,6 +49,13 @@ def test_the_scheduling_package_needs_neither_mpi_nor_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"importing yatt_hpc.sched pulled in {out.stdout.strip()}"
+
+
+def test_the_vision_package_needs_no_torch():
+    code = "import sys, yatt_hpc.vision.images; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "importing yatt_hpc.vision pulled in torch"
 
 
 def test_every_package_stays_small():

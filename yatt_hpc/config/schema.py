@@ -55,9 +55,10 @@ class DataConfig(Section):
     """Where prompts come from, how a row becomes the policy's input, and how each data-parallel rank walks its shard."""
 
     source: str = "demo:train"
-    """`demo:train` (the built-in verifiable task), `demo:heldout`, a JSONL file (one object per line), a Parquet
-    file, or a directory: all its `*.jsonl` or all its `*.parquet` files, in sorted name order, as one list of rows.
-    Rows are read lazily by position; a bad row is an error naming the file, the row and the column when it is read."""
+    """`demo:train` (the built-in verifiable task), `demo:heldout`, `demo:shapes-train` / `demo:shapes-heldout` (count
+    the red shapes in a 56x56 image: the visual demo task), a JSONL file (one object per line), a Parquet file, or a
+    directory: all its `*.jsonl` or all its `*.parquet` files, in sorted name order, as one list of rows. Rows are
+    read lazily by position; a bad row is an error naming the file, the row and the column when it is read."""
     format: Literal["text", "chat"] = "text"
     """`text`: the prompt string is the model's input as is (with the tokenizer's BOS). `chat`: a row's messages (or
     its prompt string as the user's message, after data.system_prompt) go through the policy tokenizer's chat
@@ -77,6 +78,15 @@ class DataConfig(Section):
     metadata_columns: list[str] | None = None
     """Columns passed to reward functions as the row's metadata (JSON values); null passes every column but the
     prompt, messages and answer; `[]` passes none."""
+    images_key: str | None = None
+    """Column holding a row's images, for an image dataset (null: a text-only one; the `demo:` sources bring their
+    own). Each row gives one image or a list: encoded bytes (PNG, JPEG...), a file path (relative to the dataset
+    file's directory unless absolute), or a Hugging Face `Image()` struct `{bytes, path}` (bytes win); `[]` or
+    null for none. A row's images are read and checked from their header when the row is read, never decoded
+    there; a missing, damaged or oversized image is an error naming the row."""
+    max_image_pixels: int = Field(8192 * 8192, ge=1, le=178_956_970)
+    """Largest image (width x height) a row may hold, checked from the image's header before any pixel is decoded
+    (a guard against decompression bombs); at most Pillow's own limit, 178,956,970. Image sources only."""
     num_prompts: int = Field(4096, ge=1)
     """Size of the generated demo prompt set (`demo:` sources only; a file source uses all its rows, and another
     value with a file source is refused)."""
@@ -92,6 +102,14 @@ class DataConfig(Section):
             raise ValueError(f"data.num_prompts={self.num_prompts} sizes the demo task only, but data.source is the "
                              f"file source {self.source!r}, which uses all its rows; drop data.num_prompts (or "
                              "write the subset you want to a file)")
+        if demo and self.images_key is not None:
+            raise ValueError(f"data.images_key={self.images_key!r} names a column, but data.source={self.source!r} is "
+                             "a built-in demo task with its own columns; drop data.images_key")
+        images = self.images_key is not None or self.source.startswith("demo:shapes-")
+        if not images and self.max_image_pixels != DataConfig.model_fields["max_image_pixels"].default:
+            raise ValueError(f"data.max_image_pixels={self.max_image_pixels} limits images, but the rows have none "
+                             f"(data.source={self.source!r} without data.images_key); set data.images_key to the "
+                             "column of the images, or drop data.max_image_pixels")
         if self.format == "text":
             given = [f for f in ("system_prompt", "chat_template") if getattr(self, f) is not None]
             if given:

@@ -147,7 +147,7 @@ class JsonlSource(BasePromptSource):
         if not isinstance(obj, dict):
             raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}; "
                                "each line must be one JSON object")
-        return self.schema.row_from(obj, where, index)
+        return self.schema.row_from(obj, where, index, base=self.path.parent)
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:

@@ -55,7 +55,7 @@ class ParquetSource(BasePromptSource):
             raise IndexError(f"{self.path} has {len(self)} rows, asked for row {local}")
         g = int(np.searchsorted(self._starts, local, side="right")) - 1
         obj = self._group(g).slice(local - int(self._starts[g]), 1).to_pylist()[0]
-        return self.schema.row_from(obj, f"{self.path} row {local}", index)
+        return self.schema.row_from(obj, f"{self.path} row {local}", index, base=self.path.parent)
 
     def first_row(self) -> PromptRow | None:
         """The first row; None for a file without rows."""
@@ -121,6 +121,21 @@ class ParquetSource(BasePromptSource):
             raise DatasetError(f"{self.path}: no {s.answer_key!r} column (it has: {has}); add the reference answer the "
                                "rule verifier checks, set data.answer_key to the column that holds it, or score "
                                "with the GenRM alone (reward.mode=rm_only)")
+        if s.images_key is not None:
+            self._check_images_column(arrow_schema)
+
+    def _check_images_column(self, arrow_schema) -> None:
+        key, names = self.schema.images_key, arrow_schema.names
+        if key not in names:
+            raise DatasetError(f"{self.path}: no {key!r} column (data.images_key; it has: "
+                               f"{', '.join(map(repr, names)) or 'none'}); set data.images_key to the column that holds "
+                               "the images, or unset it for a text-only dataset")
+        kind = arrow_schema.field(key).type
+        if not _is_images(kind):
+            raise DatasetError(f"{self.path}: column {key!r} (data.images_key) has type {kind}; images must be a "
+                               "list of struct<bytes: binary, path: string> (Hugging Face's Image feature), one such "
+                               "struct, encoded bytes or file paths, or a list of those: convert it, or set "
+                               "data.images_key to the column that holds them")
 
     def _metadata_columns(self, arrow_schema) -> list[str]:
         s, names = self.schema, arrow_schema.names
@@ -136,9 +151,10 @@ class ParquetSource(BasePromptSource):
         for name in metadata:
             kind = arrow_schema.field(name).type
             if not _is_json(kind):
+                images = f"; if it holds the images, set data.images_key={name}" if _is_images(kind) else ""
                 raise DatasetError(f"{self.path}: column {name!r} has type {kind}, which has no JSON value to "
                                    "pass to reward functions as metadata; list the columns they need in "
-                                   f"data.metadata_columns (without {name!r}), or [] for none")
+                                   f"data.metadata_columns (without {name!r}), or [] for none{images}")
         return metadata
 
 
@@ -170,6 +186,27 @@ def _is_messages(t) -> bool:
         return False
     fields = {t.value_type.field(i).name: t.value_type.field(i).type for i in range(t.value_type.num_fields)}
     return all(f in fields and _is_string(fields[f]) for f in ("role", "content"))
+
+
+def _is_images(t) -> bool:
+    """One image or a list of them: encoded bytes, a path, or a struct of `bytes` and/or `path`."""
+    import pyarrow.types as pt
+
+    def one(u) -> bool:
+        if pt.is_struct(u):
+            check = {"bytes": _is_binary, "path": _is_string}
+            fields = [u.field(i) for i in range(u.num_fields)]
+            return bool(fields) and all(f.name in check and check[f.name](f.type) for f in fields)
+        return _is_binary(u) or _is_string(u)
+
+    return one(t.value_type) if _is_list(t) else one(t)
+
+
+def _is_binary(t) -> bool:
+    import pyarrow.types as pt
+
+    return pt.is_binary(t) or pt.is_large_binary(t) or pt.is_fixed_size_binary(t) \
+        or getattr(pt, "is_binary_view", lambda _: False)(t) or pt.is_null(t)
 
 
 def _is_json(t) -> bool:

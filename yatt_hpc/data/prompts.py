@@ -17,10 +17,12 @@ Parquet footers; a JSONL file is indexed (the byte offsets of its lines, no JSON
 is first asked for; a row is parsed, checked and tokenized when it is read. A bad row fails when it
 is reached, as a `DatasetError` naming the file, the row, the column and the fix.
 
-`data.source` is `demo:train` / `demo:heldout`, a `.jsonl` file (one object per line), a `.parquet`
-file, or a directory: all its `*.jsonl` or all its `*.parquet` files, in sorted name order, as one list
-of rows. Columns: data.prompt_key (text), data.messages_key (chat, else the prompt as the user's
-message), data.answer_key (optional with reward.mode=rm_only); the others become the row's metadata.
+`data.source` is `demo:train` / `demo:heldout` (the reverse-a-word task), `demo:shapes-train` /
+`demo:shapes-heldout` (count the red shapes in an image, demo/shapes.py), a `.jsonl` file (one object
+per line), a `.parquet` file, or a directory: all its `*.jsonl` or all its `*.parquet` files, in sorted
+name order, as one list of rows. Columns: data.prompt_key (text), data.messages_key (chat, else the
+prompt as the user's message), data.answer_key (optional with reward.mode=rm_only), data.images_key
+(images, read when their row is read); the others become the row's metadata.
 """
 from __future__ import annotations
 
@@ -35,7 +37,9 @@ from yatt_hpc.data.encode import build_prompt_encoder
 from yatt_hpc.data.jsonl import JsonlSource
 from yatt_hpc.data.parquet import ParquetSource
 from yatt_hpc.data.rows import BasePromptSource, DatasetError, PromptRow, RowSchema
+from yatt_hpc.demo.shapes import shapes_row
 from yatt_hpc.demo.task import SPLITS, demo_row
+from yatt_hpc.vision.images import ImageLimits
 
 if TYPE_CHECKING:
     from yatt_hpc.config.schema import DataConfig
@@ -43,9 +47,10 @@ if TYPE_CHECKING:
     from yatt_hpc.vision.processor import ImageProcessor
 
 __all__ = ["BasePromptSource", "DatasetError", "DemoTaskSource", "JsonlSource", "ParquetSource", "PromptRow",
-           "PromptStream", "RowSchema", "ShardedSource", "build_prompt_source", "epoch_permutation",
-           "open_prompt_source"]
+           "PromptStream", "RowSchema", "ShapesTaskSource", "ShardedSource", "build_prompt_source",
+           "epoch_permutation", "open_prompt_source"]
 
+DEMO_SOURCES = tuple(f"demo:{task}{s}" for task in ("", "shapes-") for s in SPLITS)
 DEMO_CONTENT_SEED = 0
 """Seed of the demo task's words; the walk order has its own seed (`data.seed`)."""
 _PERMUTATIONS_KEPT = 2  # a step can straddle two epochs; older ones are never asked for again
@@ -55,18 +60,19 @@ FileSource = JsonlSource | ParquetSource
 class DemoTaskSource(BasePromptSource):
     """The first `size` rows of a demo-task split, generated on demand (no file, no memory)."""
 
+    images_key: str | None = None  # the column of the task's images: none here
+
     def __init__(self, size: int = 4096, split: str = "train", seed: int = DEMO_CONTENT_SEED,
                  schema: RowSchema | None = None) -> None:
         if split not in SPLITS:
-            raise DatasetError(f"unknown demo split {split!r}; use one of: "
-                               + ", ".join(f"demo:{s}" for s in SPLITS))
+            raise DatasetError(f"unknown demo split {split!r}; use one of: " + ", ".join(DEMO_SOURCES))
         if size < 1:
             raise DatasetError(f"the demo task needs at least 1 prompt, got num_prompts={size}")
         self.size, self.split, self.seed = size, split, seed
         self.name = f"demo:{split}"
-        # the demo's rows have fixed columns; the run's format and system prompt still apply
+        # the demo's rows have fixed columns; the run's format, system prompt and image limits still apply
         self.schema = replace(schema or RowSchema(), prompt_key="prompt", answer_key="answer", require_answer=True,
-                              metadata_columns=None)
+                              metadata_columns=None, images_key=self.images_key)
 
     def __len__(self) -> int:
         return self.size
@@ -74,8 +80,26 @@ class DemoTaskSource(BasePromptSource):
     def row(self, index: int) -> PromptRow:
         if not 0 <= index < self.size:
             raise IndexError(f"{self.name} has {self.size} rows, asked for row {index}")
-        r = demo_row(self.seed, index, self.split)
-        return self.schema.row_from({"prompt": r["prompt"], "answer": r["answer"]}, f"{self.name}#{index}", r["id"])
+        r = self._record(index)
+        return self.schema.row_from({k: v for k, v in r.items() if k != "id"}, f"{self.name}#{index}", r["id"])
+
+    def _record(self, index: int) -> dict:
+        return demo_row(self.seed, index, self.split)
+
+
+class ShapesTaskSource(DemoTaskSource):
+    """The first `size` rows of a split of the count-the-shapes task (demo/shapes.py), each image drawn when
+    its row is read."""
+
+    images_key = "images"
+
+    def __init__(self, size: int = 4096, split: str = "train", seed: int = DEMO_CONTENT_SEED,
+                 schema: RowSchema | None = None) -> None:
+        super().__init__(size, split, seed, schema)
+        self.name = f"demo:shapes-{split}"
+
+    def _record(self, index: int) -> dict:
+        return shapes_row(self.seed, index, self.split)
 
 
 class ShardedSource(BasePromptSource):
@@ -115,9 +139,13 @@ class ShardedSource(BasePromptSource):
 
 
 def open_prompt_source(source: str, schema: RowSchema | None = None, *, num_prompts: int = 4096) -> BasePromptSource:
-    """`demo:train` / `demo:heldout` (`demo` = `demo:train`), a JSONL or Parquet file, or a directory of them."""
+    """`demo:train` / `demo:heldout` (`demo` = `demo:train`), `demo:shapes-train` / `demo:shapes-heldout`, a JSONL
+    or Parquet file, or a directory of them."""
     if source == "demo" or source.startswith("demo:"):
-        return DemoTaskSource(num_prompts, source.partition(":")[2] or "train", schema=schema)
+        split = source.partition(":")[2] or "train"
+        if split.startswith("shapes-"):
+            return ShapesTaskSource(num_prompts, split.removeprefix("shapes-"), schema=schema)
+        return DemoTaskSource(num_prompts, split, schema=schema)
     path = Path(source)
     if not path.is_dir():
         return _open_file(path, schema)
@@ -157,7 +185,8 @@ def build_prompt_source(data: DataConfig, tokenizer: Tokenizer | None = None, *,
     schema = RowSchema(format=data.format, prompt_key=data.prompt_key, answer_key=data.answer_key,
                        messages_key=data.messages_key, system_prompt=data.system_prompt,
                        require_answer=require_answer,
-                       metadata_columns=None if data.metadata_columns is None else tuple(data.metadata_columns))
+                       metadata_columns=None if data.metadata_columns is None else tuple(data.metadata_columns),
+                       images_key=data.images_key, image_limits=ImageLimits(max_pixels=data.max_image_pixels))
     source = open_prompt_source(data.source, schema, num_prompts=data.num_prompts)
     encode = build_prompt_encoder(data, tokenizer, images) if tokenizer is not None else None
     first = source.probe()

@@ -5,15 +5,26 @@
     row = schema.row_from({"prompt": "2+2?", "answer": 4, "level": 1}, origin="p.jsonl:3", index=2)
     row["messages"]   # [{"role": "system", ...}, {"role": "user", "content": "2+2?"}]
     row["question"], row["answer"], row["metadata"]   # "2+2?", "4", {"level": 1}
+    RowSchema(images_key="images").row_from({"prompt": "<image>How many?", "answer": 2, "images": ["a.png"]},
+                                            origin="p.jsonl:1", index=0, base=Path("/data"))["images"]  # [b"\\x89PNG..."]
 
 Every problem with a record is a `DatasetError` whose message starts with the record's origin (`path:line`
 for JSONL, `path row N` for Parquet), names the column and says how to fix it, for the CLI to print as is.
+
+Images (data.images_key): a row's column holds one image or a list of them, each encoded bytes, a file
+path (relative to the dataset file's directory unless absolute) or a Hugging Face `Image()` struct
+`{bytes, path}` (bytes win; null or `[]` is no image). They are read when the row is read,
+checked from their header (yatt_hpc/vision/images.py: size limits, a damaged file) and kept encoded in
+`row["images"]`: never decoded pixels, which the rank that consumes the row makes.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, TypedDict
+
+from yatt_hpc.vision.images import ImageError, ImageLimits, check_image_bytes, read_image_file
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -31,6 +42,8 @@ class PromptRow(TypedDict):
     `question`: what the verifier/judge sees as the question: the prompt string or the last user message.
     `answer`: the reference the rule verifier checks; "" for a row without one (only when no term needs it).
     `metadata`: the row's other columns (JSON values), for reward functions.
+    `images`: the row's images, encoded (PNG, JPEG... bytes, checked from their header), in the row's order; []
+    for a text-only row or source (data.images_key unset).
     `origin`: `path:line`, `path row N` or `demo:split#index`, for error messages."""
 
     id: int
@@ -39,6 +52,7 @@ class PromptRow(TypedDict):
     question: str
     answer: str
     metadata: dict
+    images: list[bytes]
     origin: str
 
 
@@ -71,14 +85,18 @@ class RowSchema:
     system_prompt: str | None = None
     require_answer: bool = True
     metadata_columns: tuple[str, ...] | None = None
+    images_key: str | None = None
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
 
     @property
     def consumed(self) -> tuple[str, ...]:
         """Columns the row's own fields hold; metadata is every other column (or the ones listed)."""
-        return (self.prompt_key, self.answer_key) + ((self.messages_key,) if self.format == "chat" else ())
+        return (self.prompt_key, self.answer_key) + ((self.messages_key,) if self.format == "chat" else ()) \
+            + ((self.images_key,) if self.images_key is not None else ())
 
-    def row_from(self, obj: dict, origin: str, index: int) -> PromptRow:
-        """The checked row of one record; `index` is its position in the source (its id without an `id`)."""
+    def row_from(self, obj: dict, origin: str, index: int, base: Path | None = None) -> PromptRow:
+        """The checked row of one record; `index` is its position in the source (its id without an `id`),
+        `base` the directory relative image paths start from (the dataset file's)."""
         if self.format == "chat" and obj.get(self.messages_key) is not None:
             messages = self._messages(obj[self.messages_key], origin)
             prompt, question = None, next(m["content"] for m in reversed(messages) if m["role"] == "user")
@@ -90,7 +108,8 @@ class RowSchema:
         own_id = obj.get("id")
         return PromptRow(id=own_id if isinstance(own_id, int) and not isinstance(own_id, bool) else index,
                          prompt=prompt, messages=messages, question=question, answer=self._answer(obj, origin),
-                         metadata=self._metadata(obj, origin), origin=origin)
+                         metadata=self._metadata(obj, origin), images=self._images(obj, origin, base),
+                         origin=origin)
 
     def _prompt(self, obj: dict, origin: str) -> str:
         key = self.prompt_key
@@ -150,6 +169,43 @@ class RowSchema:
             raise DatasetError(f"{origin}: column {key!r} must be a string or a number, got {_show(answer)}; "
                                "fix the row, or score with the GenRM alone (reward.mode=rm_only, answers optional)")
         return str(answer)
+
+    def _images(self, obj: dict, origin: str, base: Path | None) -> list[bytes]:
+        key = self.images_key
+        if key is None:
+            return []
+        if key not in obj:
+            raise DatasetError(f"{origin}: row has no {key!r} column (it has: {', '.join(map(repr, obj)) or 'none'}); "
+                               f"give every row its images (a text-only row: \"{key}\": []), set data.images_key to the "
+                               "column that holds them, or unset data.images_key for a text-only dataset")
+        value = obj[key]
+        items = [] if value is None else value if isinstance(value, list) else [value]
+        images = []
+        for k, item in enumerate(items):
+            where = f"{origin}: column {key!r} image {k}"
+            try:
+                images.append(self._image(item, where, base))
+            except ImageError as err:
+                raise DatasetError(str(err)) from None
+        return images
+
+    def _image(self, item: object, where: str, base: Path | None) -> bytes:
+        """One image's encoded bytes: given, or read from its file."""
+        value = item
+        if isinstance(item, dict) and set(item) <= {"bytes", "path"}:  # Hugging Face's Image(): bytes win
+            value = item.get("bytes") if item.get("bytes") is not None else item.get("path")
+        if isinstance(value, (bytes, bytearray)):
+            data = bytes(value)
+        elif isinstance(value, str) and value:
+            path = Path(value) if base is None else base / value  # an absolute path stays itself
+            where = f"{where} ({value})"
+            data = read_image_file(path, where, self.image_limits)
+        else:
+            raise DatasetError(f"{where} must be encoded image bytes, a file path or a {{\"bytes\", \"path\"}} "
+                               f"struct with one of them set, got {_show(item)}; fix the row (a row without images "
+                               "gives an empty list)")
+        check_image_bytes(data, where, self.image_limits)
+        return data
 
     def _metadata(self, obj: dict, origin: str) -> dict:
         if self.metadata_columns is None:
