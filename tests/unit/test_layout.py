@@ -14,12 +14,12 @@ ALLOWED = {
     "sched": {"placement"},
     "comm": {"sched", "placement", "batch", "activity"},
     "roles": {"comm", "sched", "batch", "activity", "ckpt", "config", "data", "errors", "placement", "reward",
-              "rollout", "train", "runtime"},  # runtime: RankStats, the per-rank stats it reports to
+              "rollout", "train", "runtime", "vision"},  # runtime: RankStats, the per-rank stats it reports to
     "runtime": {"roles", "comm", "sched", "batch", "activity", "ckpt", "config", "data", "errors", "launch",
                 "metrics", "placement"},
     "demo": set(),
-    "rollout": {"activity", "offload"},
-    "train": {"activity", "batch", "config", "offload"},
+    "rollout": {"activity", "offload", "vision"},
+    "train": {"activity", "batch", "config", "offload", "vision"},
     "reward": {"rollout", "data"},  # the judge runs on a rollout engine with the tokenizer data/ loads
     "data": {"config", "demo", "vision"},
     "vision": set(),  # a leaf: every component may decode images

@@ -21,6 +21,7 @@ from jinja2 import TemplateError
 
 from yatt_hpc.data.rows import DatasetError, PromptRow
 from yatt_hpc.data.tokenizer import Tokenizer, TokenizerError
+from yatt_hpc.vision.images import ImageError
 from yatt_hpc.vision.processor import IMAGE_PLACEHOLDER, VISION_MARK, ImageProcessor, ImageTokenError, image_size
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class PromptEncoder:
         if row.get("images"):
             try:
                 ids = self.images.expand(ids, [image_size(b, row["origin"]) for b in row["images"]])
-            except ImageTokenError as err:
+            except (ImageTokenError, ImageError) as err:
                 raise DatasetError(f"{row['origin']}: {err}") from None
         if len(ids) > self.max_tokens:
             how = " after the chat template" if row["messages"] is not None else ""

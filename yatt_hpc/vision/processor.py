@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from yatt_hpc.vision.images import PILLOW_PIXEL_LIMIT, ImageLimits, check_image_bytes, decode_image
+
 IMAGE_PLACEHOLDER = "<image>"
 """Where a row's prompt text puts an image (the convention of the peers' datasets, e.g. geo3k)."""
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
@@ -32,28 +34,20 @@ class ImageTokenError(ValueError):
     """A prompt whose image placeholders do not match its images; the message names the fix."""
 
 
+CONSUMER_LIMITS = ImageLimits(max_bytes=1 << 40, max_pixels=PILLOW_PIXEL_LIMIT)
+"""The row's owner checked the image against data.max_image_pixels when it read the row; a consumer
+only refuses what Pillow itself cannot open."""
+
+
 def image_size(data: bytes | np.ndarray, origin: str) -> tuple[int, int]:
     """(width, height) from an encoded image's header (no pixels decoded)."""
-    import io
-
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(io.BytesIO(bytes(data))) as image:
-            return image.size
-    except (UnidentifiedImageError, OSError) as err:
-        raise ImageTokenError(f"{origin}: an image's bytes are not a readable image ({err}); fix or drop the "
-                              "row's image") from None
+    width, height, _ = check_image_bytes(bytes(data), origin, CONSUMER_LIMITS)
+    return width, height
 
 
-def decode_rgb(data: bytes | np.ndarray):
-    """An encoded image as an RGB PIL image (the consumers' decode)."""
-    import io
-
-    from PIL import Image
-
-    with Image.open(io.BytesIO(bytes(data))) as image:
-        return image.convert("RGB")
+def decode_rgb(data: bytes | np.ndarray, origin: str = "an image of the batch"):
+    """An encoded image as an RGB PIL image (what every consumer does with the bytes it got)."""
+    return decode_image(bytes(data), origin, CONSUMER_LIMITS)
 
 
 def is_vision_model(model_dir: str | Path) -> bool:
