@@ -209,10 +209,12 @@ class RolloutController(BaseController):
             return self.generate(chunk)
 
     def requests(self, prompts: SampleBatch) -> list[GenerationRequest]:
+        """One request per sample; a group's requests share one tuple of its encoded images."""
         rc = self.cfg.rollout
+        images = {pid: tuple(b.tobytes() for b in group) for pid, group in prompts.group_images().items()}
         return [GenerationRequest(sample_id=int(sid), prompt_ids=p, max_new_tokens=rc.max_new_tokens,
-                                  temperature=rc.temperature, top_p=rc.top_p)
-                for sid, p in zip(prompts.sample_id, prompts.ragged("prompt_tokens"))]
+                                  temperature=rc.temperature, top_p=rc.top_p, images=images.get(int(pid), ()))
+                for sid, pid, p in zip(prompts.sample_id, prompts.prompt_id, prompts.ragged("prompt_tokens"))]
 
     def generate(self, prompts: SampleBatch) -> SampleBatch:
         return self.fill(prompts, {r.sample_id: r for r in self.engine.generate(self.requests(prompts))})

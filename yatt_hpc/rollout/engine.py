@@ -66,6 +66,9 @@ class GenerationRequest:
     """Nucleus sampling mass in (0, 1]; 1 samples from the whole vocabulary."""
     seed: int | None = None
     """Per-sample sampling seed in [0, 2**63), or None to derive one."""
+    images: tuple[bytes, ...] = ()
+    """A vision-language model's images for this prompt, ENCODED (PNG, JPEG...), in the order of the
+    prompt's image-pad runs; the engine decodes them (`hf`) or hands them to SGLang's `image_data`."""
 
     def __post_init__(self) -> None:
         ids = np.asarray(self.prompt_ids)

@@ -24,6 +24,10 @@ new tokens, tiny GPT-2 h32/L2/V64: 36 ms = 28k tok/s vs 47 ms for ``model.genera
   same generate took 0.25-5 s instead of 36 ms. Whoever launches ranks sets ``OMP_NUM_THREADS``.
 * Requests are sorted by prompt length and cut into micro-batches of ``max_batch_size``: less left
   padding. Finished rows ride along until the micro-batch ends (no cache compaction: the loop stays short).
+* A vision-language checkpoint (Qwen2-VL) loads as ``AutoModelForImageTextToText``. A request's encoded
+  images are decoded once per generate call (the n requests of a group share them) into pixel values
+  by ``vision/processor.py``; the prefill gets them with their grids and the M-RoPE positions of each
+  left-padded row, and decoding continues every row's three position axes from its last position.
 * ``release_memory`` on CUDA moves the weights to host memory and empties the CUDA cache; on CPU it is
   a no-op, because the weights would have to stay in host memory anyway and there is no accelerator
   memory to give back. There is no KV cache between calls (one ``DynamicCache`` per micro-batch), so
@@ -38,7 +42,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache
 
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.offload import HostParking
@@ -48,6 +52,7 @@ from yatt_hpc.rollout.engine import (
     GenerationResult,
     validate_bucket,
 )
+from yatt_hpc.vision.processor import ImageProcessor, decode_rgb
 
 
 def sample_next_tokens(
@@ -111,7 +116,12 @@ class HFEngine(BaseEngine):
         if isinstance(model_dir, torch.nn.Module):  # a model built in memory (tools/make_demo_models.py)
             model = model_dir if dtype is None else model_dir.to(getattr(torch, dtype))
         else:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype) if dtype else "auto")
+            from transformers import AutoConfig
+
+            vision = hasattr(AutoConfig.from_pretrained(model_dir), "vision_config")
+            auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+            model = auto.from_pretrained(model_dir, dtype=getattr(torch, dtype) if dtype else "auto")
+        self._vision = ImageProcessor.from_hf_config(model.config) if hasattr(model.config, "vision_config") else None
         self._model = model.to(self._device).eval()
         self._seed = seed
         self._max_batch_size = max_batch_size
@@ -170,6 +180,9 @@ class HFEngine(BaseEngine):
         device, rows = self._device, len(requests)
         input_ids, mask = self._left_pad([r.prompt_ids for r in requests])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        prefill = {}
+        if self._vision is not None:
+            positions, prefill = self._vision_prefill(requests, input_ids, mask)
         temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=device)
         top_p = torch.tensor([r.top_p for r in requests], dtype=torch.float32, device=device)
         limit = torch.tensor([r.max_new_tokens for r in requests], device=device)
@@ -194,7 +207,7 @@ class HFEngine(BaseEngine):
         for step in range(steps):
             if self._abort.is_set():
                 break
-            logits = self._forward(input_ids, mask, positions, cache)
+            logits = self._forward(input_ids, mask, positions, cache, prefill if step == 0 else {})
             ACTIVITY.progress()  # one decode step: the health monitor sees a long generation move
             tokens[:, step], logprobs[:, step] = sample_next_tokens(logits, temperature, top_p, uniforms[:, step])
             length += (~done).long()
@@ -207,12 +220,36 @@ class HFEngine(BaseEngine):
                 break
             input_ids = tokens[:, step : step + 1]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
+            positions = positions[..., -1:] + 1
         report(torch.tensor([r is None for r in results]))  # the rest: all of them without on_result, or aborted
         return results  # type: ignore[return-value]
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-        kwargs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions, "use_cache": True}
+    def _vision_prefill(self, requests: list[GenerationRequest], input_ids: torch.Tensor,
+                        mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """M-RoPE positions [3, B, W] of the left-padded rows, and the prefill's image inputs."""
+        vision, memo = self._vision, {}
+        per_row = []
+        for request in requests:
+            key = tuple(request.images)
+            if key and key not in memo:  # a group's n requests share one decode
+                memo[key] = vision.pixel_inputs([decode_rgb(b, f"request {request.sample_id}") for b in key])
+            per_row.append(memo[key] if key else (None, np.zeros((0, 3), np.int64)))
+        positions = torch.zeros(3, *input_ids.shape, dtype=torch.long)
+        for row, (request, (_, grids)) in enumerate(zip(requests, per_row)):
+            vision.check_tokens(request.prompt_ids, grids, f"request sample_id={request.sample_id}")
+            width = len(request.prompt_ids)
+            positions[:, row, -width:] = torch.from_numpy(vision.mrope_positions(request.prompt_ids, grids))
+        with_images = [r for r in per_row if r[0] is not None]
+        extra = {"mm_token_type_ids": (input_ids == vision.image_token_id).long()}
+        if with_images:
+            extra["pixel_values"] = torch.from_numpy(np.concatenate([p for p, _ in with_images])).to(self._device)
+            extra["image_grid_thw"] = torch.from_numpy(np.concatenate([g for _, g in with_images])).to(self._device)
+        return positions.to(self._device), extra
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+                 extra: dict | None = None) -> torch.Tensor:
+        kwargs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions, "use_cache": True,
+                  **(extra or {})}
         kwargs[self._cache_kwarg] = cache
         if self._keep_last_logits:
             kwargs["logits_to_keep"] = 1
@@ -334,6 +371,9 @@ class HFEngine(BaseEngine):
         return self._model is not None
 
     def _check_request(self, request: GenerationRequest) -> None:
+        if request.images and self._vision is None:
+            raise ValueError(f"request sample_id={request.sample_id} has {len(request.images)} image(s) but the "
+                             "engine's model is a text model; use a vision-language model (Qwen2-VL)")
         if int(request.prompt_ids.max()) >= self._vocab_size:
             raise ValueError(
                 f"request sample_id={request.sample_id}: token id {int(request.prompt_ids.max())} "

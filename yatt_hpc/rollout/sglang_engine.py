@@ -146,6 +146,7 @@ class SGLangEngine(BaseEngine):
         target = torch.device(device)
         if target.type != "cuda":
             raise ValueError(f"engine 'sglang' runs on CUDA devices only, got device={device!r}; use engine 'hf' on CPU")
+        self._image_pad = image_token_id_of(model_dir)
         try:
             import sglang
         except ImportError as error:
@@ -193,9 +194,9 @@ class SGLangEngine(BaseEngine):
             self._in_flight = True
         try:
             outputs = self._engine.generate(
-                input_ids=[r.prompt_ids.tolist() for r in requests],
                 sampling_params=[self._sampling_params(r) for r in requests],
                 return_logprob=True,
+                **sglang_prompt_inputs(requests, self._image_pad),
             )
         finally:
             with self._lock:
@@ -280,3 +281,29 @@ class SGLangEngine(BaseEngine):
     @property
     def _alive(self) -> bool:
         return self._engine is not None
+
+
+def image_token_id_of(model_dir: str) -> int | None:
+    """The checkpoint's image-pad id (a vision-language model), else None."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    return config.get("image_token_id") if "vision_config" in config else None
+
+
+def sglang_prompt_inputs(requests: Sequence[GenerationRequest], image_token_id: int | None) -> dict:
+    """`Engine.generate` keyword arguments for `requests`: `input_ids`, and for requests with images
+    `image_data` (base64 data URLs of the encoded bytes) with every image's pad run collapsed to one pad,
+    which SGLang expands itself from the image it processes (a pre-expanded run would be expanded twice)."""
+    import base64
+
+    if not any(r.images for r in requests):
+        return {"input_ids": [r.prompt_ids.tolist() for r in requests]}
+    if image_token_id is None:
+        raise ValueError("requests carry images but the SGLang engine's model has no vision tower (config.json has "
+                         "no vision_config); use a vision-language model")
+    ids, images = [], []
+    for r in requests:
+        run = np.r_[False, r.prompt_ids[1:] == r.prompt_ids[:-1]] & (r.prompt_ids == image_token_id)
+        ids.append(r.prompt_ids[~run].tolist())
+        images.append([f"data:image;base64,{base64.b64encode(b).decode()}" for b in r.images])
+    return {"input_ids": ids, "image_data": images}

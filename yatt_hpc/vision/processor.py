@@ -84,6 +84,17 @@ class ImageProcessor:
                    min_pixels=int(size.get("shortest_edge", pre.get("min_pixels", 56 * 56))),
                    max_pixels=int(size.get("longest_edge", pre.get("max_pixels", 28 * 28 * 1280))))
 
+    @classmethod
+    def from_hf_config(cls, config) -> ImageProcessor:
+        """From a loaded transformers config: its directory's files when it was loaded from one, else the
+        tower's geometry with the processor's default pixel bounds."""
+        path = getattr(config, "name_or_path", None) or getattr(config, "_name_or_path", None)
+        if path and (Path(path) / "config.json").is_file():
+            return cls.from_model_dir(path)
+        vision = config.vision_config
+        return cls(image_token_id=int(config.image_token_id), patch_size=int(vision.patch_size),
+                   merge_size=int(vision.spatial_merge_size), temporal_patch_size=int(vision.temporal_patch_size))
+
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """(temporal, height, width) patch grid of an image of this size after `smart_resize`."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
