@@ -20,7 +20,7 @@ ALLOWED = {
     "demo": set(),
     "rollout": {"activity", "offload", "vision"},
     "train": {"activity", "batch", "config", "offload", "vision"},
-    "reward": {"rollout", "data"},  # the judge runs on a rollout engine with the tokenizer data/ loads
+    "reward": {"rollout", "data", "vision"},  # the judge runs on a rollout engine with the tokenizer data/ loads
     "data": {"config", "demo", "vision"},
     "vision": set(),  # a leaf: every component may decode images
 }

@@ -86,7 +86,7 @@ class _Judge:
     def __init__(self, scores):
         self.scores, self.seen = scores, []
 
-    def score(self, pairs, references=None):
+    def score(self, pairs, references=None, images=None):
         self.seen.append((list(pairs), list(references)))
         return list(self.scores)
 

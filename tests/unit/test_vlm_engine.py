@@ -101,3 +101,28 @@ def test_sglang_gets_one_pad_per_image_and_the_bytes_as_image_data():
     with pytest.raises(ValueError, match="no vision tower"):
         sglang_prompt_inputs([GenerationRequest(sample_id=0, prompt_ids=prompt, max_new_tokens=2,
                                                 images=(image,))], None)
+
+
+
+def test_a_vision_judge_sees_the_image_and_a_text_judge_reads_the_question_without_it(setup):
+    from tests.conftest import REPO
+    from yatt_hpc.reward.judge import GenRMJudge
+
+    directory, _, _, _ = setup
+    judge = GenRMJudge.from_pretrained(directory, max_new_tokens=3, template="Q: {question}\nA: {response}\nok?")
+    assert judge.images is not None
+    pair = [("<image>how many red?", "2")]
+    sent = []
+    real = judge.engine.generate
+    judge.engine.generate = lambda requests: sent.extend(requests) or real(requests)
+    seen = judge.generate_verdicts(pair, images=[(_png(1),)])
+    other = judge.generate_verdicts(pair, images=[(_png(5),)])
+    assert sent[0].images == (_png(1),) and int((sent[0].prompt_ids == IMAGE_PAD_ID).sum()) == 4
+    assert np.array_equal(sent[0].prompt_ids, sent[1].prompt_ids) and sent[1].images == (_png(5),)
+    assert isinstance(seen[0], str) and isinstance(other[0], str)
+    judge.shutdown()
+    text = GenRMJudge.from_pretrained(REPO / "models" / "demo" / "judge")
+    assert text.images is None
+    assert text._question("<image>reverse abcdab=", ()) == "reverse abcdab="
+    assert text.score(pair, references=["2"], images=[(_png(1),)])[0] in (None, 0.0, 1.0)
+    text.shutdown()

@@ -43,6 +43,8 @@ class ScoringRows:
     responses: list[str]
     answers: list[str]
     metadata: list[dict]
+    images: list[tuple[bytes, ...]] | None = None
+    """Each sample's row images (encoded), for a judge that is a vision-language model; None: no images."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -85,7 +87,8 @@ class RewardTerms:
         values: dict[str, np.ndarray] = {}
         for term in self.terms:
             if term.kind == "genrm":
-                verdicts = self.judge.score(list(zip(rows.prompts, rows.responses)), references=rows.answers)
+                verdicts = self.judge.score(list(zip(rows.prompts, rows.responses)), references=rows.answers,
+                                            images=rows.images)
                 values[term.name] = self._priced(verdicts)
             else:
                 values[term.name] = np.asarray(self._rule(term, rows), np.float32).reshape(n)
