@@ -19,9 +19,9 @@ import torch
 
 # Qwen2-VL's own names for the vision markers (yatt_hpc/vision/processor.py expands prompts with them)
 SPECIAL = ("<|pad|>", "<|endoftext|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
-CHARS = string.ascii_lowercase + string.digits + " ?.,:=+-<>/"
+CHARS = string.ascii_letters + string.digits + " ?.,:=+-<>/"
 PAD_ID, EOS_ID, VISION_START_ID, IMAGE_PAD_ID, VISION_END_ID, VIDEO_PAD_ID = range(len(SPECIAL))
-VOCAB_SIZE = 64  # len(SPECIAL) + len(CHARS) = 53, rounded up
+VOCAB_SIZE = 80  # len(SPECIAL) + len(CHARS) = 79, rounded up
 IMAGE_SIDE = 56
 """min_pixels = max_pixels = 56 * 56: every image is resized to 56x56 (4 image tokens)."""
 

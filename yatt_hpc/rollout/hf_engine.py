@@ -299,13 +299,25 @@ class HFEngine(BaseEngine):
         either name updates both; sending both with different values is an error, not a silent pick.
         """
         self._check_alive()
-        bucket = list(named_tensors)
+        bucket = [(self._memory_name(name), tensor) for name, tensor in named_tensors]
         self._check_bucket(bucket)
         self._mid_update = True
         self._model.load_state_dict(dict(bucket), strict=False)
         if final:
             self._version = self._version + 1 if version is None else int(version)
             self._mid_update = False
+
+    def _memory_name(self, name: str) -> str:
+        """A checkpoint name (what trainers send and SGLang loads) as this model's state-dict name:
+        transformers 5 holds Qwen2-VL as `model.language_model.*` / `model.visual.*` and saves it as
+        `model.*` / `visual.*`."""
+        if self._vision is None or name in self._state_shapes:
+            return name
+        if name.startswith("visual."):
+            return f"model.{name}"
+        if name.startswith("model."):
+            return f"model.language_model.{name[len('model.'):]}"
+        return name
 
     @property
     def weight_version(self) -> int:
