@@ -66,8 +66,32 @@ def unpack(buffer: np.ndarray) -> SampleBatch:
     return from_wire(buffer)
 
 
+class WireLedger:
+    """What the batches this process sent carried, for the step report (`wire/*` metrics): every byte,
+    and how many of them were encoded images (the only image data a batch ever holds)."""
+
+    def __init__(self) -> None:
+        self.take()
+
+    def count(self, batch: SampleBatch) -> None:
+        self.messages += 1
+        self.batch_bytes += batch.nbytes
+        self.image_bytes += int(batch.images.nbytes)
+
+    def take(self) -> dict[str, float]:
+        """The counts since the last take (then zero)."""
+        out = {"wire_messages": float(getattr(self, "messages", 0)), "wire_batch_bytes": float(getattr(self, "batch_bytes", 0)),
+               "wire_image_bytes": float(getattr(self, "image_bytes", 0))}
+        self.messages = self.batch_bytes = self.image_bytes = 0
+        return out
+
+
+LEDGER = WireLedger()
+
+
 def send_batch(comm, dest: int, tag: int, batch: SampleBatch) -> None:
     # blocking: MPI progresses the transfer itself instead of waiting for our next poll
+    LEDGER.count(batch)
     buffer = batch.wire()
     if buffer is not None:  # already one contiguous message: no datatype, no copy
         comm.Send(buffer, dest=dest, tag=tag)
@@ -86,6 +110,7 @@ def isend_batch(comm, dest: int, tag: int, batch: SampleBatch) -> tuple[list, li
     read in place through a datatype as `send_batch` can: Open MPI moves a non-contiguous message
     only while we call into it, and a stream polls with sleeps (bench/wire_throughput.py measured
     the in-place Isend 10x slower)."""
+    LEDGER.count(batch)
     buffer = pack(batch)
     return [comm.Isend(buffer, dest=dest, tag=tag)], [buffer]
 

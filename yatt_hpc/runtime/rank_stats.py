@@ -73,6 +73,9 @@ class RankStats:
 
     def step_report(self) -> dict:
         """This step's numbers (then reset); peaks are kept for the whole run."""
+        from yatt_hpc.comm.transport import LEDGER  # here: this module is imported without MPI too
+
+        self.values.update(LEDGER.take())
         report = {"group": self.group, "times": self.times, "values": self.values,
                   "peak_held": self.peak_held, "peak_rss_mb": peak_rss_mb()}
         self.times, self.values = {}, {}
