@@ -1,6 +1,6 @@
 """One rank of the TP=2 converter check; started by tests/mpi/test_convert_tp2.py, never by pytest itself.
 
-    mpirun --oversubscribe -np 2 .venv/bin/python tests/mpi/convert_tp2_worker.py OUT_DIR [CASE ...]
+    mpirun --oversubscribe -np 2 .venv/bin/python tests/mpi/convert_tp2_worker.py OUT_DIR [CASE ... | vlm]
 
 Each rank builds the same seeded tiny HF model per case, loads its Megatron TP shard, and writes
 ``OUT_DIR/rank-<r>.json`` with the measured differences against HF and against the TP=1 maths.
@@ -160,6 +160,48 @@ def check_case(case: str, tp_group) -> dict:
     }
 
 
+def check_vlm(model_dir: Path, tp_group) -> dict:
+    """A Qwen2-VL (tiny_vlm, saved by rank 0) at TP=2 with a trainable tower, on 2 rows / 3 images."""
+    import numpy as np
+    from transformers import AutoConfig
+
+    from yatt_hpc.demo.tiny_vlm import IMAGE_PAD_ID, tiny_qwen2_vl
+    from yatt_hpc.train.policy import load_hf_state_dict
+    from yatt_hpc.vision.processor import ImageProcessor
+
+    tp_rank, tp_size = torch.distributed.get_rank(tp_group), torch.distributed.get_world_size(tp_group)
+    config, saved = AutoConfig.from_pretrained(str(model_dir)), load_hf_state_dict(model_dir)
+    hf = tiny_qwen2_vl(seed=0)  # the saved model: same seed, same weights
+    proc = ImageProcessor.from_model_dir(model_dir)
+    rng = np.random.default_rng(3)
+    images = [rng.integers(0, 255, (56, 56, 3), dtype=np.uint8) for _ in range(3)]
+    from PIL import Image
+    pixels, grids = proc.pixel_inputs([Image.fromarray(a) for a in images])
+    rows = [proc.expand([7, IMAGE_PAD_ID, 8, 9, 10, 14, 15, 16], [(56, 56)]), proc.expand([11, IMAGE_PAD_ID, 12, IMAGE_PAD_ID, 13],
+                                                                             [(56, 56)] * 2)]
+    ids = torch.tensor(rows)
+    positions = torch.from_numpy(np.stack([proc.mrope_positions(rows[0], grids[:1]),
+                                           proc.mrope_positions(rows[1], grids[1:])], 1))
+    vision = mm.VisionInputs(torch.from_numpy(pixels), torch.from_numpy(grids), positions)
+    model = mm.build_gpt_model(config, tp_size, train_vision=True)
+    mm.load_megatron_shard(model, convert.hf_to_megatron(saved, config, tp_rank, tp_size))
+    local = mm.forward_logits(model, ids, images=vision)
+    targets = ids[:, 1:]
+    logp, _ = token_logprobs_and_entropy(local[:, :-1], targets, tp_group, config.text_config.vocab_size)
+    logp.sum().backward()
+    out = hf(input_ids=ids, pixel_values=vision.pixel_values, image_grid_thw=vision.image_grid_thw,
+             mm_token_type_ids=(ids == IMAGE_PAD_ID).int()).logits
+    hf_logp = torch.log_softmax(out[:, :-1].float(), -1).gather(-1, targets[..., None])[..., 0]
+    hf_logp.sum().backward()
+    ours = dict(model.visual.named_parameters())
+    tower = max(_max_diff(ours[n].grad, p.grad) / (1 + p.grad.abs().max().item())
+                for n, p in hf.model.visual.named_parameters())
+    gathered = convert.gather_hf_state_dict(model, config, tp_group, emit_tied_lm_head=False)
+    return {"logp_vs_hf_max_abs_diff": _max_diff(logp, hf_logp), "tower_grad_vs_hf_max_rel_diff": tower,
+            "gathered_keys_equal": sorted(gathered) == sorted(saved),
+            "gathered_bitwise_equal": all(torch.equal(gathered[k], saved[k]) for k in saved)}
+
+
 def main(out_dir: Path, cases: list[str]) -> None:
     from megatron.core import parallel_state
     from mpi4py import MPI
@@ -171,10 +213,16 @@ def main(out_dir: Path, cases: list[str]) -> None:
     port = comm.bcast(_free_port() if rank == 0 else None, root=0)
     mm.initialize_model_parallel(rank, world, "127.0.0.1", port, tp_size=world, seed=0)
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    report = {"rank": rank, "cases": {case: check_case(case, tp_group) for case in cases}}
+    report = {"rank": rank, "cases": {case: check_case(case, tp_group) for case in cases if case != "vlm"}}
+    if "vlm" in cases:
+        if rank == 0:
+            from yatt_hpc.demo.tiny_vlm import save_tiny_vlm, tiny_qwen2_vl
+            save_tiny_vlm(tiny_qwen2_vl(seed=0), out_dir / "vlm")
+        comm.Barrier()
+        report["vlm"] = check_vlm(out_dir / "vlm", tp_group)
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
     mm.destroy_model_parallel()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:] or list(TINY_CASES))
+    main(Path(sys.argv[1]), sys.argv[2:] or [*TINY_CASES, "vlm"])

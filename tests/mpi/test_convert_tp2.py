@@ -66,3 +66,12 @@ def test_each_tp2_rank_holds_half_of_the_padded_vocab(tp2_reports):
     assert widths == {"gpt2-tied": {32}, "llama-gqa-untied-vocab61": {31}, "llama3-rope-scaling": {32},
                       "llama-linear-rope": {32}, "qwen2-gqa-qkv-bias-tied": {32},
                       "qwen3-qk-norm-head-dim32-tied": {32}, "qwen3-qk-norm-untied-vocab61": {31}}
+
+
+def test_tp2_vision_language_model_scores_image_prompts_as_hf_and_gathers_back(tp2_reports):
+    """Qwen2-VL at TP=2: M-RoPE language model sharded, HF vision tower replicated and trained."""
+    for report in tp2_reports:
+        vlm = report["vlm"]
+        assert vlm["logp_vs_hf_max_abs_diff"] <= 1e-4
+        assert vlm["tower_grad_vs_hf_max_rel_diff"] <= 1e-4  # every TP rank holds the whole tower gradient
+        assert vlm["gathered_keys_equal"] and vlm["gathered_bitwise_equal"]
