@@ -163,6 +163,7 @@ def check_case(case: str, tp_group) -> dict:
 def check_vlm(model_dir: Path, tp_group) -> dict:
     """A Qwen2-VL (tiny_vlm, saved by rank 0) at TP=2 with a trainable tower, on 2 rows / 3 images."""
     import numpy as np
+    from PIL import Image
     from transformers import AutoConfig
 
     from yatt_hpc.demo.tiny_vlm import IMAGE_PAD_ID, tiny_qwen2_vl
@@ -175,10 +176,9 @@ def check_vlm(model_dir: Path, tp_group) -> dict:
     proc = ImageProcessor.from_model_dir(model_dir)
     rng = np.random.default_rng(3)
     images = [rng.integers(0, 255, (56, 56, 3), dtype=np.uint8) for _ in range(3)]
-    from PIL import Image
     pixels, grids = proc.pixel_inputs([Image.fromarray(a) for a in images])
-    rows = [proc.expand([7, IMAGE_PAD_ID, 8, 9, 10, 14, 15, 16], [(56, 56)]), proc.expand([11, IMAGE_PAD_ID, 12, IMAGE_PAD_ID, 13],
-                                                                             [(56, 56)] * 2)]
+    rows = [proc.expand([7, IMAGE_PAD_ID, 8, 9, 10, 14, 15, 16], [(56, 56)]),
+            proc.expand([11, IMAGE_PAD_ID, 12, IMAGE_PAD_ID, 13], [(56, 56)] * 2)]
     ids = torch.tensor(rows)
     positions = torch.from_numpy(np.stack([proc.mrope_positions(rows[0], grids[:1]),
                                            proc.mrope_positions(rows[1], grids[1:])], 1))
