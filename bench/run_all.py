@@ -25,7 +25,7 @@ from common import PYTHON, REPO, RESULTS, machine
 
 BENCH = Path(__file__).resolve().parent
 DOC = REPO / "BENCHMARKS.md"
-SCRIPTS = {"B1": "ckpt_stall", "B2": "driver_memory", "B3": "dp_balance", "B4": "placement_overlap",
+SCRIPTS = {"B1": "ckpt_stall", "B2": "driver_memory", "B2i": "image_pipeline", "B3": "dp_balance", "B4": "placement_overlap",
            "B5": "wire_throughput", "B6": "demo_run", "B7": "preempt_resume", "B8": "rank_scaling",
            "B9": "peer_trl"}
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
