@@ -1,22 +1,24 @@
-"""Build the visual demo's tiny models: a partly competent Qwen2-VL policy and a Qwen2-VL GenRM judge.
+"""Build the visual demo's policy: a tiny Qwen2-VL that counts red shapes, partly.
 
-    .venv/bin/python tools/make_demo_vlm.py                  # writes models/demo_vlm/{policy,judge}
-    .venv/bin/python tools/make_demo_vlm.py --out /tmp/vlm --policy-steps 200 --judge-steps 200
+    .venv/bin/python tools/make_demo_vlm.py                  # writes models/demo_vlm/policy (~15 min, 2 cores)
+    .venv/bin/python tools/make_demo_vlm.py --out /tmp/vlm --policy-steps 200
 
 The task is `yatt_hpc.demo.shapes` ("How many red shapes?" over a 56x56 image of 1-4 red shapes and
 0-2 others; answer one digit). Both models are `yatt_hpc.demo.tiny_vlm.tiny_qwen2_vl` (Qwen2 language
 model with M-RoPE, Qwen2-VL vision tower, character tokenizer), built from a config, no download.
 
-Policy: supervised on a *noisy teacher* that gives the right count `--clean-fraction` of the time and a
-uniformly drawn digit 1-4 otherwise, so it starts partly right and GRPO can sharpen what it already
-sees (the same recipe as the text demo's tools/make_demo_models.py). Judge: a copy of the finished
-policy supervised to answer "yes"/"no" to (image, question, answer) on right and wrong answers, so it
-must read the image too. Seeded; prints and writes metrics.json next to each model.
+Supervised on the task's answers (`--clean-fraction` of them right, the rest a uniformly drawn digit
+1-4: a noisy teacher as in the text demo's tools/make_demo_models.py) for `--policy-steps` batches; the
+loss sits at chance (it has not found the image yet) for the first ~800 and then falls, so the
+finished policy reads the image but samples wrong counts often enough for GRPO to sharpen it.
+There is no visual judge here: a copy of this policy supervised to say yes/no to (image, question,
+answer) stayed at chance agreement (0.46 after 1000 batches), so the demo scores with the rule and
+the VLM-judge path is tested with random tiny judges (tests/unit/test_vlm_engine.py). Seeded; prints
+and writes metrics.json next to the model.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import random
 import time
@@ -29,9 +31,6 @@ from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.demo.shapes import shapes_row
 from yatt_hpc.demo.tiny_vlm import IMAGE_PAD_ID, save_tiny_vlm, tiny_qwen2_vl
 from yatt_hpc.vision.processor import IMAGE_PLACEHOLDER, VISION_MARK, ImageProcessor, decode_rgb
-
-JUDGE_TEMPLATE = "{question} {response}? "
-"""The judge's prompt (reward.genrm_template in configs/demo_vlm_cpu.yaml): the verdict follows it."""
 
 
 def examples(seed: int, start: int, count: int) -> list[dict]:
@@ -116,40 +115,6 @@ def measure_policy(model, enc: Encoder, seed: int) -> dict:
             "digit_mass": float(probs.sum(1).mean())}
 
 
-def build_judge(policy, enc: Encoder, args) -> torch.nn.Module:
-    judge = copy.deepcopy(policy)
-    rng = random.Random(args.seed + 7)
-
-    def batch(step: int):
-        rows = examples(args.seed + 3, step * args.batch, args.batch)
-        shown = [r["answer"] if rng.random() < 0.5 else str(rng.choice([d for d in range(1, 5) if str(d) != r["answer"]]))
-                 for r in rows]
-        labels = ["yes" if s == r["answer"] else "no" for s, r in zip(shown, rows)]
-        for r, s in zip(rows, shown):
-            r["judged"] = s
-        return enc.batch(rows, labels, prefix=lambda r: JUDGE_TEMPLATE.format(question=r["prompt"], response=r["judged"]))
-
-    train(judge, enc, batch, args.judge_steps, args.lr, "judge")
-    return judge
-
-
-@torch.no_grad()
-def measure_judge(judge, enc: Encoder, seed: int) -> dict:
-    rows = examples(seed + 11, 0, 256)
-    rng = random.Random(seed)
-    right = 0
-    yes, no = enc.tok.encode("y")[0], enc.tok.encode("n")[0]
-    for r in rows:
-        shown = r["answer"] if rng.random() < 0.5 else str(rng.choice([d for d in range(1, 5) if str(d) != r["answer"]]))
-        ids = enc.prompt(JUDGE_TEMPLATE.format(question=r["prompt"], response=shown), r["images"])
-        pixels, grids = enc.proc.pixel_inputs([decode_rgb(b) for b in r["images"]])
-        t = torch.tensor([ids])
-        logits = judge(input_ids=t, pixel_values=torch.from_numpy(pixels), image_grid_thw=torch.from_numpy(grids),
-                       mm_token_type_ids=(t == IMAGE_PAD_ID).int()).logits[0, -1]
-        right += int((logits[yes] > logits[no]) == (shown == r["answer"]))
-    return {"agreement": right / len(rows)}
-
-
 POLICY_SHAPE = {"hidden": 64, "layers": 3, "heads": 4, "kv_heads": 2, "vision_depth": 2, "vision_width": 64}
 
 
@@ -157,11 +122,10 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("models/demo_vlm"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy-steps", type=int, default=400)
-    p.add_argument("--judge-steps", type=int, default=400)
+    p.add_argument("--policy-steps", type=int, default=3000)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--clean-fraction", type=float, default=0.5)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clean-fraction", type=float, default=1.0)
     return p.parse_args()
 
 
@@ -175,12 +139,8 @@ def main() -> None:
     metrics = measure_policy(policy, enc, args.seed)
     print("policy", json.dumps(metrics), flush=True)
     save_tiny_vlm(policy, scratch)
-    (scratch / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    judge = build_judge(policy, enc, args)
-    jm = measure_judge(judge, enc, args.seed)
-    print("judge", json.dumps(jm), flush=True)
-    save_tiny_vlm(judge, args.out / "judge")
-    (args.out / "judge" / "metrics.json").write_text(json.dumps(jm, indent=2) + "\n")
+    (scratch / "metrics.json").write_text(json.dumps(metrics | {"args": {k: str(v) for k, v in vars(args).items()}},
+                                                     indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ def inputs(tmp_path_factory):
 
 
 def cmd(root, run_dir):
-    sets = {"model.path": root / "policy", "reward.genrm_path": root / "judge", "data.source": root / "data",
+    sets = {"model.path": root / "policy", "data.source": root / "data",
+            # the judge is a VLM too: it gets every sample's image (it is random, so most verdicts fail to parse)
+            "reward.mode": "rm_with_rule", "reward.genrm_path": root / "judge", "reward.verdict_max_tokens": 3,
             "data.images_key": "images", "train.steps": K, "train.prompts_per_step": PROMPTS,
             "rollout.samples_per_prompt": N, "checkpoint.interval": 2, "logging.progress": "false",
             "logging.tensorboard": "false", "train.balance": "none"}  # no group moves: exact byte counts
