@@ -112,3 +112,33 @@ def test_train_vision_tower_on_a_text_model_is_refused(tmp_path, one_rank_world)
     save_char_model(char_gpt2(seed=0), tmp_path / "text")
     with pytest.raises(ValueError, match="train.train_vision_tower=true but model.path=.* has no vision tower"):
         MegatronPolicy.from_hf(tmp_path / "text", 0, 1, TrainConfig(train_vision_tower=True))
+
+
+def test_an_image_pad_the_policy_sampled_is_text_in_the_trainer_as_in_the_engine(vlm_dir, one_rank_world):
+    """At temperature > 1 a policy can sample <|image_pad|>: the engine embeds it as a token at the next text
+    position, so the trainer must too (it is not an image slot)."""
+    from yatt_hpc.train import megatron_model as mm
+    from yatt_hpc.train.logprobs import token_logprobs_and_entropy
+    from yatt_hpc.train.policy import pack_micro_batch
+
+    policy = _policy(vlm_dir, one_rank_world)
+    batch = _batch(vlm_dir).select(np.array([0]))
+    batch.response_tokens = np.array([IMAGE_PAD_ID, batch.response_tokens[0]], np.int32)
+    batch.response_len = np.array([2], np.int32)
+    batch.logprobs = np.zeros(2, np.float32)
+    tokens, mask, _ = pack_micro_batch(batch)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    with torch.no_grad():
+        images = policy.vision_inputs(batch, inputs, policy._group_pixels(batch))
+        assert int(images.image_mask.sum()) == 4 and int((inputs == IMAGE_PAD_ID).sum()) == 5
+        ours, _ = token_logprobs_and_entropy(mm.forward_logits(policy.model, inputs, images=images), targets,
+                                             policy.tp_group, policy.vocab_size, 1.0)
+        hf = tiny_qwen2_vl(seed=0)
+        embeds = hf.model.get_input_embeddings()(inputs)
+        features = hf.model.get_image_features(images.pixel_values, images.image_grid_thw).pooler_output[0]
+        embeds[images.image_mask] = features
+        logits = hf(inputs_embeds=embeds, position_ids=images.position_ids).logits
+        theirs = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
+    last = int(batch.prompt_len[0])  # the sampled pad sits at the end of the prompt + 1: a text position
+    assert images.position_ids[0, 0, last].item() == images.position_ids[0, 0, last - 1].item() + 1
+    assert ((ours - theirs).abs() * mask).max().item() <= 1e-4

@@ -265,13 +265,17 @@ class VisionInputs:
     """[images, 3] (temporal, height, width) patch grid of each image."""
     position_ids: torch.Tensor
     """[3, B, T] M-RoPE positions."""
+    image_mask: torch.Tensor | None = None
+    """[B, T] bool: the image-pad slots the features go to (the prompts' pads; a pad token a policy
+    sampled in its response is text). None: every image-pad token."""
 
 
 def vision_decoder_input(model: GPTModel, input_ids: torch.Tensor, images: VisionInputs) -> torch.Tensor:
     """[T, B, H] token embeddings with the vision tower's features over the image-pad tokens (in row-major
     (row, position) order, the order HF's ``masked_scatter`` gives)."""
     embeds = model.embedding(input_ids=input_ids, position_ids=None)
-    where = (input_ids == model.image_token_id).nonzero(as_tuple=True)  # (rows, positions)
+    slots = images.image_mask if images.image_mask is not None else input_ids == model.image_token_id
+    where = slots.nonzero(as_tuple=True)  # (rows, positions)
     if images.pixel_values is None:
         if where[0].numel():
             raise ValueError(f"{where[0].numel()} image-pad tokens but no images in the batch")

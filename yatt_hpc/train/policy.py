@@ -156,16 +156,19 @@ class MegatronPolicy:
             return None
         rows = [pixels.get(int(pid), (np.zeros((0, 0), np.float32), np.zeros((0, 3), np.int64)))
                 for pid in mb.prompt_id]
-        for ids, (_, grids), origin in zip(inputs, rows, mb.sample_id):
-            self.images.check_tokens(ids.tolist(), grids, f"sample {int(origin)}")
-        positions = np.stack([self.images.mrope_positions(ids.tolist(), grids)
-                              for ids, (_, grids) in zip(inputs, rows)], axis=1)
+        lengths = mb.prompt_len.tolist()
+        for ids, (_, grids), n, origin in zip(inputs, rows, lengths, mb.sample_id):
+            self.images.check_tokens(ids[:n].tolist(), grids, f"sample {int(origin)}")
+        positions = np.stack([self.images.mrope_positions(ids.tolist(), grids, n)
+                              for ids, (_, grids), n in zip(inputs, rows, lengths)], axis=1)
+        in_prompt = torch.arange(inputs.shape[1])[None, :] < torch.tensor(lengths)[:, None]
         with_images = [r for r in rows if len(r[1])]
         to = self.device
         return megatron_model.VisionInputs(
             torch.from_numpy(np.concatenate([p for p, _ in with_images])).to(to) if with_images else None,
             torch.from_numpy(np.concatenate([g for _, g in with_images])).to(to) if with_images else None,
-            torch.from_numpy(positions).to(to))
+            torch.from_numpy(positions).to(to),
+            ((inputs == self.images.image_token_id) & in_prompt.to(inputs.device)).to(to))
 
     def _micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float,
                     pixels: dict[int, tuple[np.ndarray, np.ndarray]]) -> UpdateStats:

@@ -145,15 +145,17 @@ class ImageProcessor:
                                   "other image sizes or another processor: re-tokenize it with this model's "
                                   "preprocessor_config.json")
 
-    def mrope_positions(self, ids: Sequence[int], grids: np.ndarray) -> np.ndarray:
+    def mrope_positions(self, ids: Sequence[int], grids: np.ndarray, prompt_len: int | None = None) -> np.ndarray:
         """[3, T] (temporal, height, width) positions of one sequence: text tokens count up on all three
         axes; an image's pads get (start, start + row, start + column) over its merged grid and the text
-        after it continues at start + max(rows, columns). The rule of HF's `Qwen2VLModel.get_rope_index`."""
+        after it continues at start + max(rows, columns). The rule of HF's `Qwen2VLModel.get_rope_index`.
+        Only the first `prompt_len` tokens hold images: a pad token the policy sampled is text."""
         ids = np.asarray(ids, np.int64)
+        limit = len(ids) if prompt_len is None else prompt_len
         out = np.zeros((3, len(ids)), np.int64)
         pos, k, i = 0, 0, 0
         while i < len(ids):
-            if ids[i] != self.image_token_id:
+            if ids[i] != self.image_token_id or i >= limit:
                 out[:, i] = pos
                 pos, i = pos + 1, i + 1
                 continue
