@@ -105,3 +105,18 @@ def test_sigterm_and_resume_give_the_same_rows_and_bitwise_the_same_weights(mpir
     assert all(torch.equal(a[k], b[k]) for k in a), "weights differ after resume"
     rows = [[(r["step"], r["positions"]) for r in replica] for replica in consumed(run_dir)]
     assert rows == [[(r["step"], r["positions"]) for r in replica] for replica in consumed(straight)]
+
+
+def test_the_visual_demo_learns(mpirun, tmp_path):
+    """configs/demo_vlm_cpu.yaml as shipped (models/demo_vlm/policy), shortened to 40 steps: seeded, so the
+    same rewards every run; measured 0.763 -> 0.854 (first vs fourth 10-step mean)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "yatt_hpc.cli", "run", CONFIG, "--run-dir", str(run_dir),
+                           "--set", "train.steps=40", "--set", "logging.progress=false"],
+                          cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rewards = [json.loads(line)["reward/mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"reward first 10 steps {first:.3f}, last 10 {last:.3f}")
+    assert last > first + 0.05
+    assert (run_dir / "tb").is_dir() and (run_dir / "checkpoints" / "step-40").is_dir()
