@@ -1,6 +1,6 @@
 """B2 with real images: the busiest controller's peak RSS, the bytes on the wire per image, and per-rank decode time.
 
-    .venv/bin/python bench/image_pipeline.py                       # 4096 JPEGs (448x448), 8 ranks, 2 runs
+    .venv/bin/python bench/image_pipeline.py                       # 2048 JPEGs (448x448), 8 ranks, 2 runs
     .venv/bin/python bench/image_pipeline.py --images 512 --ranks 4 --repeats 1
 
 A step of real encoded images goes through the real path: Parquet shards in Hugging Face's layout
@@ -183,7 +183,7 @@ def launch(pattern: str, ranks: int, directory: Path, count: int, tmp: Path, tag
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--images", type=int, default=4096)
+    ap.add_argument("--images", type=int, default=2048)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--worker", choices=("driver", "shards"), help=argparse.SUPPRESS)
