@@ -120,3 +120,30 @@ def test_the_visual_demo_learns(mpirun, tmp_path):
     print(f"reward first 10 steps {first:.3f}, last 10 {last:.3f}")
     assert last > first + 0.05
     assert (run_dir / "tb").is_dir() and (run_dir / "checkpoints" / "step-40").is_dir()
+
+
+def test_export_hf_of_a_vlm_checkpoint_loads_in_transformers_and_serves_images(inputs, straight, tmp_path):
+    from safetensors.torch import load_file as load
+    from transformers import AutoModelForImageTextToText
+
+    from yatt_hpc.ckpt.export_hf import export_hf
+    from yatt_hpc.rollout import GenerationRequest, build_engine
+    from yatt_hpc.vision.processor import ImageProcessor
+
+    out = export_hf(straight, K, tmp_path / "hf")
+    assert (out / "preprocessor_config.json").is_file() and (out / "tokenizer.json").is_file()
+    exported = load(str(out / "model.safetensors"))
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    memory = model.state_dict()
+    assert torch.equal(memory["model.visual.patch_embed.proj.weight"], exported["visual.patch_embed.proj.weight"])
+    assert torch.equal(memory["model.language_model.layers.0.self_attn.q_proj.weight"],
+                       exported["model.layers.0.self_attn.q_proj.weight"])
+    trained = load(str(straight / "checkpoints" / f"step-{K}" / "model-tp0-pp0.safetensors"))
+    assert torch.equal(exported["model.embed_tokens.weight"], trained["embedding.word_embeddings.weight"][:80])
+    image = next((inputs / "data" / "images").iterdir()).read_bytes()
+    proc = ImageProcessor.from_model_dir(out)
+    engine = build_engine("hf", str(out), device="cpu", tp_size=1, seed=0)
+    prompt = proc.expand([2, proc.image_token_id, 4, 20], [(56, 56)])
+    result = engine.generate([GenerationRequest(sample_id=0, prompt_ids=prompt, max_new_tokens=3, images=(image,))])
+    engine.shutdown()
+    assert len(result[0].response_ids) >= 1
