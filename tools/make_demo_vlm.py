@@ -30,7 +30,7 @@ import torch
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.demo.shapes import shapes_row
 from yatt_hpc.demo.tiny_vlm import IMAGE_PAD_ID, save_tiny_vlm, tiny_qwen2_vl
-from yatt_hpc.vision.processor import IMAGE_PLACEHOLDER, VISION_MARK, ImageProcessor, decode_rgb
+from yatt_hpc.vision.processor import ImageProcessor, decode_rgb, mark_images
 
 
 def examples(seed: int, start: int, count: int) -> list[dict]:
@@ -44,7 +44,7 @@ class Encoder:
         self.tok, self.proc = load_tokenizer(model_dir), ImageProcessor.from_model_dir(model_dir)
 
     def prompt(self, text: str, images: list[bytes]) -> list[int]:
-        ids = self.tok.encode(text.replace(IMAGE_PLACEHOLDER, VISION_MARK))
+        ids = self.tok.encode(mark_images(text, len(images)))
         return self.proc.expand(ids, [decode_rgb(b).size for b in images])
 
     def batch(self, rows: list[dict], targets: list[str], prefix=lambda r: r["prompt"]):

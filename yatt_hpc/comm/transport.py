@@ -71,7 +71,7 @@ class WireLedger:
     and how many of them were encoded images (the only image data a batch ever holds)."""
 
     def __init__(self) -> None:
-        self.take()
+        self.messages = self.batch_bytes = self.image_bytes = 0
 
     def count(self, batch: SampleBatch) -> None:
         self.messages += 1
@@ -80,9 +80,9 @@ class WireLedger:
 
     def take(self) -> dict[str, float]:
         """The counts since the last take (then zero)."""
-        out = {"wire_messages": float(getattr(self, "messages", 0)), "wire_batch_bytes": float(getattr(self, "batch_bytes", 0)),
-               "wire_image_bytes": float(getattr(self, "image_bytes", 0))}
-        self.messages = self.batch_bytes = self.image_bytes = 0
+        out = {"wire_messages": float(self.messages), "wire_batch_bytes": float(self.batch_bytes),
+               "wire_image_bytes": float(self.image_bytes)}
+        self.__init__()
         return out
 
 

@@ -22,7 +22,7 @@ from jinja2 import TemplateError
 from yatt_hpc.data.rows import DatasetError, PromptRow
 from yatt_hpc.data.tokenizer import Tokenizer, TokenizerError
 from yatt_hpc.vision.images import ImageError
-from yatt_hpc.vision.processor import IMAGE_PLACEHOLDER, VISION_MARK, ImageProcessor, ImageTokenError, image_size
+from yatt_hpc.vision.processor import IMAGE_PLACEHOLDER, ImageProcessor, ImageTokenError, image_size, mark_images
 
 if TYPE_CHECKING:
     from yatt_hpc.config.schema import DataConfig
@@ -56,15 +56,12 @@ class PromptEncoder:
             raise DatasetError(f"{row['origin']}: the row has {len(row['images'])} image(s) but the policy "
                                "(model.path) is a text model; use a vision-language policy (Qwen2-VL), or "
                                "drop data.images_key")
-        lead = VISION_MARK * len(row["images"])
+        count = len(row["images"])
         if row["messages"] is None:
-            text = row["prompt"]
-            return {**row, "prompt": text.replace(IMAGE_PLACEHOLDER, VISION_MARK) if IMAGE_PLACEHOLDER in text
-                    else lead + text}
+            return {**row, "prompt": mark_images(row["prompt"], count)}
         marked = any(IMAGE_PLACEHOLDER in m["content"] for m in row["messages"])
         first_user = next(k for k, m in enumerate(row["messages"]) if m["role"] == "user")
-        messages = [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, VISION_MARK) if marked
-                     else (lead + m["content"] if k == first_user else m["content"])}
+        messages = [{**m, "content": mark_images(m["content"], count if k == first_user and not marked else 0)}
                     for k, m in enumerate(row["messages"])]
         return {**row, "messages": messages}
 

@@ -32,7 +32,7 @@ import numpy as np
 from yatt_hpc.reward.template import JudgePrompt
 from yatt_hpc.reward.verdict import parse_verdict
 from yatt_hpc.rollout.engine import BaseEngine, GenerationRequest, build_engine
-from yatt_hpc.vision.processor import IMAGE_PLACEHOLDER, VISION_MARK, ImageProcessor, image_size
+from yatt_hpc.vision.processor import IMAGE_PLACEHOLDER, ImageProcessor, image_size, is_vision_model, mark_images
 
 _CUT_PASSES = 4  # a cut response can tokenize differently where it meets the template; a few passes settle it
 
@@ -76,8 +76,7 @@ class GenRMJudge:
         if engine == "hf":
             opts.update(max_batch_size=kwargs.get("batch_size", 64), stop_token_ids=list(tokenizer.eos_ids))
         served = build_engine(engine, str(path), device=device, tp_size=tp_size, seed=seed, **opts)
-        images = ImageProcessor.from_model_dir(path) if (Path(path) / "preprocessor_config.json").is_file() \
-            and hasattr(AutoConfig.from_pretrained(str(path)), "vision_config") else None
+        images = ImageProcessor.from_model_dir(path) if is_vision_model(path) else None
         return cls(served, tokenizer, max_positions=int(config.max_position_embeddings), seed=seed, images=images,
                    **kwargs)
 
@@ -116,11 +115,7 @@ class GenRMJudge:
     def _question(self, question: str, images: tuple[bytes, ...]) -> str:
         """The question as this judge reads it: its images marked (a vision judge), or their placeholders
         dropped (a text judge, or a row without images)."""
-        if not images:
-            return question.replace(IMAGE_PLACEHOLDER, "")
-        if IMAGE_PLACEHOLDER in question:
-            return question.replace(IMAGE_PLACEHOLDER, VISION_MARK)
-        return VISION_MARK * len(images) + question
+        return mark_images(question, len(images)) if images else question.replace(IMAGE_PLACEHOLDER, "")
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -52,7 +52,7 @@ from yatt_hpc.rollout.engine import (
     GenerationResult,
     validate_bucket,
 )
-from yatt_hpc.vision.processor import ImageProcessor, decode_rgb
+from yatt_hpc.vision.processor import ImageProcessor, decode_rgb, is_vision_model
 
 
 def sample_next_tokens(
@@ -116,10 +116,7 @@ class HFEngine(BaseEngine):
         if isinstance(model_dir, torch.nn.Module):  # a model built in memory (tools/make_demo_models.py)
             model = model_dir if dtype is None else model_dir.to(getattr(torch, dtype))
         else:
-            from transformers import AutoConfig
-
-            vision = hasattr(AutoConfig.from_pretrained(model_dir), "vision_config")
-            auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+            auto = AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
             model = auto.from_pretrained(model_dir, dtype=getattr(torch, dtype) if dtype else "auto")
         self._vision = ImageProcessor.from_hf_config(model.config) if hasattr(model.config, "vision_config") else None
         self._model = model.to(self._device).eval()

@@ -50,6 +50,13 @@ def decode_rgb(data: bytes | np.ndarray, origin: str = "an image of the batch"):
     return decode_image(bytes(data), origin, CONSUMER_LIMITS)
 
 
+def mark_images(text: str, count: int) -> str:
+    """`text` with each `<image>` as the vision markers, or, when it has none, `count` markers before it."""
+    if IMAGE_PLACEHOLDER in text:
+        return text.replace(IMAGE_PLACEHOLDER, VISION_MARK)
+    return VISION_MARK * count + text
+
+
 def is_vision_model(model_dir: str | Path) -> bool:
     """True for a checkpoint whose config.json has a vision tower (Qwen2-VL)."""
     config = Path(model_dir) / "config.json"
