@@ -6,7 +6,8 @@
 Sequence (the leader is one rank of ``comm``; every other rank only writes its own files):
 
     all ranks:  write own files into step-N.incomplete/ -> fsync files -> fsync dir
-    all ranks:  gather (record, [name, size, sha256], error) to the leader
+    all ranks:  gather (record, [name, size, sha256], error) to the leader (each collective of a save
+                behind a polled barrier: ranks that wait sleep, see ``quiet_barrier``)
     leader:     any error? -> leave .incomplete, report it (the next start removes it)
                 write state.h5 (records + manifest) -> fsync -> fsync dir
                 rename step-N.incomplete -> step-N -> fsync checkpoints/
@@ -77,11 +78,22 @@ def write_rank_files(inc: Path, snap: RankState) -> list[FileEntry]:
     return entries
 
 
+def quiet_barrier(comm, poll_s: float = 0.005) -> None:
+    """Wait for every rank of ``comm`` sleeping between tests of an Ibarrier. The collectives of a
+    save are reached seconds apart (each rank writes its own shard first; the others then wait for
+    the leader's fsyncs), often on the writer thread while the main thread computes: a blocking
+    Open MPI collective would spin there and take the core it needs."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll_s)
+
+
 def commit(comm, leader: int, ckpt_dir: Path, step: int, snap: RankState, shared: SharedState | None,
            entries: list[FileEntry], error: str | None, keep_last: int) -> None:
     """Collective over ``comm``: gather to the leader, which commits; raise on every rank on failure."""
     record = RankRecord(snap.identity, comm.Get_rank(), dict(snap.coords), snap.rng, snap.data_position,
                         snap.extra, [e.name for e in entries])
+    quiet_barrier(comm)
     payloads = comm.gather((record, entries, error), root=leader)
     outcome = None
     if comm.Get_rank() == leader:
@@ -92,6 +104,7 @@ def commit(comm, leader: int, ckpt_dir: Path, step: int, snap: RankState, shared
             outcome = f"leader: {describe_write_error(err)}"
         if outcome and DISK_FULL in outcome:
             outcome += disk_full_advice(ckpt_dir, step, keep_last)
+    quiet_barrier(comm)
     outcome = comm.bcast(outcome, root=leader)
     if outcome:
         error = DiskFullError if DISK_FULL in outcome else CheckpointError

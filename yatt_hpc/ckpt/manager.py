@@ -25,13 +25,20 @@ from typing import Self
 
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.ckpt import layout
-from yatt_hpc.ckpt.commit import clean_incomplete, commit, write_rank_files
+from yatt_hpc.ckpt.commit import clean_incomplete, commit, quiet_barrier, write_rank_files
 from yatt_hpc.ckpt.errors import CheckpointError, describe_write_error
 from yatt_hpc.ckpt.loader import Restored, find_latest, read_rank, read_weights
 from yatt_hpc.ckpt.state import SharedState
 from yatt_hpc.ckpt.writer import BackgroundWriter, RankState, Staging, snapshot
 
 log = logging.getLogger(__name__)
+
+
+class _Done:
+    """A request that has completed (LocalComm's collectives)."""
+
+    def Test(self) -> bool:
+        return True
 
 
 class LocalComm:
@@ -54,6 +61,9 @@ class LocalComm:
 
     def Dup(self) -> LocalComm:
         return self
+
+    def Ibarrier(self) -> _Done:
+        return _Done()
 
     def Free(self) -> None:
         pass
@@ -192,6 +202,7 @@ class CheckpointManager:
         answer: tuple[int | None, list[tuple[int, str]]] = (None, [])
         if self.is_leader:
             answer = find_latest(self.ckpt_dir, quarantine=True)
+        quiet_barrier(self.comm)  # others sleep while the leader checks sizes and sha256 of every shard
         step, self.skipped = self.comm.bcast(answer, root=self.leader)
         return step
 
@@ -212,6 +223,7 @@ class CheckpointManager:
         answer: tuple[int | None, str] = (None, "")
         if self.is_leader:
             answer = resolve_source(Path(source))
+        quiet_barrier(self.comm)
         step, where = self.comm.bcast(answer, root=self.leader)
         if step is None:
             raise CheckpointError(where)

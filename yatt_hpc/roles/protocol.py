@@ -13,7 +13,7 @@
 Every rank of the world, whatever its role, takes exactly this sequence of collectives per step
 (`STEP`; `WAVE` repeats until no trainer replica asks for another wave):
 
-    agree stop      Allreduce MAX of the ranks' stop codes                            loop
+    agree stop      Iallreduce MAX of the ranks' stop codes                           loop
     agree split     bcast of the leader's engine-pool split   (dynamic split only)    loop
     WAVE, 1 or more times:                                                           roles
       gate generated  Ibarrier: every sample of the wave is generated     (colocate only)
@@ -21,6 +21,10 @@ Every rank of the world, whatever its role, takes exactly this sequence of colle
       agree more      Iallreduce MAX: does any trainer replica want another wave
     step report     gather of the step reports to the leader                        loop
     save barrier    Ibarrier before a due save (ranks done early wait for the rest) loop
+
+Ranks reach these at different times (GenRM is done while the trainers still train), so every wait
+is polled: the I-collectives through `wait_all`, the object collectives (split, report) behind a
+`quiet_barrier`. A blocked Open MPI collective spins and takes the cores the working ranks need.
 
 Point-to-point traffic of a wave (tags in `comm/transport.py`), around those gates:
 
@@ -47,7 +51,7 @@ from mpi4py import MPI
 
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.comm.gates import PhaseGate
-from yatt_hpc.comm.transport import agree_more, wait_all
+from yatt_hpc.comm.transport import agree_more, quiet_barrier, wait_all
 
 log = logging.getLogger(__name__)
 CHECK_ENV = "YATT_PROTOCOL_CHECK"
@@ -92,18 +96,20 @@ class StepProtocol:
 
     def agree_stop(self, code: int) -> int:
         self._event(STOP)
-        agreed = np.array([code], dtype=np.int64)
-        with ACTIVITY.waiting(STOP):
-            self.comm.Allreduce(MPI.IN_PLACE, agreed, op=MPI.MAX)
+        mine, agreed = np.array([code], dtype=np.int64), np.zeros(1, dtype=np.int64)
+        # polled: ranks done early (GenRM while the trainers train) sleep here instead of spinning
+        wait_all([self.comm.Iallreduce(mine, agreed, op=MPI.MAX)], self.poll_s, STOP)
         return int(agreed[0])
 
     def agree_split(self, pending):
         self._event(SPLIT)
+        quiet_barrier(self.comm, SPLIT, self.poll_s)
         with ACTIVITY.waiting(SPLIT):
             return self.comm.bcast(pending, root=0)
 
     def report(self, mine: dict) -> list[dict] | None:
         self._event(REPORT)
+        quiet_barrier(self.comm, REPORT, self.poll_s)
         with ACTIVITY.waiting(REPORT):
             return self.comm.gather(mine, root=0)
 

@@ -76,6 +76,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     from rich.console import Console
 
     from yatt_hpc.ckpt import CheckpointManager
+    from yatt_hpc.comm.transport import quiet_barrier
     from yatt_hpc.comm.world import build_world
     from yatt_hpc.config import load_config
     from yatt_hpc.launch.requeue import job_end_time
@@ -93,6 +94,8 @@ def run_rank(group: str, run_dir: Path) -> str:
     config_yaml = (run_dir / "config.yaml").read_text()
     cfg = load_config(run_dir / "config.yaml")
     logging.getLogger().setLevel(cfg.logging.level)  # INFO until the config is read
+    # groups finish their imports seconds apart: the first ones sleep (not spin) until all are here
+    quiet_barrier(MPI.COMM_WORLD, "start: every rank imported")
     world = build_world(plan(cfg), MPI.COMM_WORLD, expected_group=group)
     check_model_dirs(cfg)
     (run_dir / "timeline").mkdir(exist_ok=True)
@@ -101,6 +104,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     with stop_flag.children_shielded():  # engines start their child processes here
         controller = build_controller(world, cfg, run_dir, stats, protocol)
         stop_flag.reclaim()  # before the block lifts: a signal that came meanwhile reaches our handler
+    quiet_barrier(world.comm, "start: every controller built")  # engines are ready long before trainers
     metrics = build_metrics(run_dir, is_writer=world.is_leader, tensorboard=cfg.logging.tensorboard)
     console = Console(force_terminal=sys.stdout.isatty(), width=160) if world.is_leader else None
     slurm_env = SlurmEnv.from_environ(os.environ)
@@ -115,7 +119,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     controller.close()  # engines' child processes (SGLang's scheduler) end with the run, not at interpreter exit
     protocol.close()
     logging.getLogger(__name__).info("done: %s", outcome)
-    world.comm.Barrier()
+    quiet_barrier(world.comm, "end")
     return outcome
 
 
