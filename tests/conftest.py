@@ -63,6 +63,46 @@ def slurm_cluster() -> str:
     return next((line.split("=", 1)[1].strip() for line in cluster.splitlines() if line.startswith("ClusterName")), "?")
 
 
+class ReferenceRun:
+    """An uninterrupted demo run that exact-resume tests compare with (`reference_run`). Nothing in a
+    step depends on `train.steps` or on when checkpoints are taken, so its step-k checkpoint and its
+    consumed-prompt logs up to step k are what any k-step run of the same shape ends with."""
+
+    STEPS = 20
+    SETS = ("train.prompts_per_step=8", "rollout.samples_per_prompt=4", "checkpoint.interval=1",
+            f"checkpoint.keep_last={STEPS}", "logging.progress=false", "logging.tensorboard=false")
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = run_dir
+
+    def weights(self, step: int) -> dict:
+        from safetensors.torch import load_file
+
+        return load_file(str(self.dir / "checkpoints" / f"step-{step}" / "model-tp0-pp0.safetensors"))
+
+    def state(self, step: int):
+        """(weights, consumed) as tests/mpi/test_exact_resume.final_state gives them for a `step`-step run."""
+        import json
+
+        consumed = []
+        for dp in (0, 1):
+            rows = [json.loads(line) for line in (self.dir / "data" / f"consumed-dp{dp}.jsonl").read_text().splitlines()]
+            consumed.append([(r["step"], r["positions"]) for r in rows if r["step"] < step])
+        return self.weights(step), consumed
+
+
+@pytest.fixture(scope="session")
+def reference_run(mpirun, tmp_path_factory) -> ReferenceRun:
+    """The demo (colocate, 8 prompts x 4 samples) run straight through ReferenceRun.STEPS steps, every
+    checkpoint kept: one launch for every test that needs 'where an uninterrupted run ends'."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    sets = [a for kv in (f"train.steps={ReferenceRun.STEPS}", *ReferenceRun.SETS) for a in ("--set", kv)]
+    proc = subprocess.run([PYTHON, "-m", "yatt_hpc.cli", "run", str(REPO / "configs/demo_cpu.yaml"), "--run-dir",
+                           str(run_dir), *sets], cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return ReferenceRun(run_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """Random tiny GPT-2 policy and judge with the character tokenizer: fast plumbing tests that do

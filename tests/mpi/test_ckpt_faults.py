@@ -3,8 +3,9 @@
     sudo .venv/bin/python -m pytest tests/mpi/test_ckpt_faults.py -q      # the disk-full case mounts tmpfs
 
 Each run saves a checkpoint after every step (checkpoint.interval=1, keep_last=2). Reference runs go
-straight through 2 and 3 steps; a faulty run must end with bitwise the same weights and the same
-consumed prompt positions as the reference of its length: nothing lost, nothing consumed twice.
+straight through 2 steps (here) and 3 (the session's reference run, tests/conftest.py); a faulty run
+must end with bitwise the same weights and the same consumed prompt positions as the reference of its
+length: nothing lost, nothing consumed twice.
 
 - Disk full: RUN_DIR/checkpoints is a tmpfs of 1.5 checkpoints. The run fails at step 2's commit
   with one line naming the disk, the path and the fix; step 1 stays latest. After the disk grows,
@@ -57,9 +58,9 @@ def two_steps(mpirun, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def three_steps(mpirun, tmp_path_factory):
-    """The final state of an uninterrupted 3-step run."""
-    return straight_run(tmp_path_factory.mktemp("three_steps") / "run", 3)
+def three_steps(reference_run):
+    """The final state of an uninterrupted 3-step run (the session's reference run at step 3)."""
+    return reference_run.state(3)
 
 
 def test_a_full_disk_at_a_checkpoint_fails_the_run_in_one_line_and_a_rerun_after_making_room_resumes(

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, full_matrix_only, mpi_env, wait_for_log_line
+from tests.conftest import REPO, full_matrix_only, wait_for_log_line
 from tests.slurm.jobs import job_rank_pid
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import wait_job
@@ -59,13 +58,10 @@ def restart_count(run_dir: Path, job_id: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(mpirun, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("straight") / "run"
-    args = [a for kv in ARGS for a in ("--set", kv)]
-    proc = subprocess.run([sys.executable, "-m", "yatt_hpc.cli", "run", DEMO, "--run-dir", str(run_dir), *args],
-                          cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return final_weights(run_dir)
+def uninterrupted(reference_run):
+    """The final weights of the uninterrupted local run (mpirun): the session's reference run at STEPS."""
+    assert STEPS <= reference_run.STEPS
+    return reference_run.weights(STEPS)
 
 
 def submit(run_dir: Path, *extra: str):
