@@ -70,7 +70,7 @@ class ReferenceRun:
 
     STEPS = 20
     SETS = ("train.prompts_per_step=8", "rollout.samples_per_prompt=4", "checkpoint.interval=1",
-            f"checkpoint.keep_last={STEPS}", "logging.progress=false", "logging.tensorboard=false")
+            f"checkpoint.keep_last={STEPS}", "logging.progress=false")
 
     def __init__(self, run_dir: Path) -> None:
         self.dir = run_dir
@@ -94,7 +94,8 @@ class ReferenceRun:
 @pytest.fixture(scope="session")
 def reference_run(mpirun, tmp_path_factory) -> ReferenceRun:
     """The demo (colocate, 8 prompts x 4 samples) run straight through ReferenceRun.STEPS steps, every
-    checkpoint kept: one launch for every test that needs 'where an uninterrupted run ends'."""
+    checkpoint kept, TensorBoard on: one launch for every test that needs 'where an uninterrupted run
+    ends' or a finished run to read (tests/mpi/test_grpo_run.py, test_placement_modes.py)."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     sets = [a for kv in (f"train.steps={ReferenceRun.STEPS}", *ReferenceRun.SETS) for a in ("--set", kv)]
     proc = subprocess.run([PYTHON, "-m", "yatt_hpc.cli", "run", str(REPO / "configs/demo_cpu.yaml"), "--run-dir",

@@ -108,11 +108,17 @@ def plan_cmd(config_path: str, overrides: tuple[str, ...], run_dir: str, as_sbat
 @_overrides
 def run_cmd(config_path: str, run_dir: Path, overrides: tuple[str, ...]) -> None:
     """Run CONFIG: one MPI world (mpirun here, srun --mpi=pmix inside a Slurm allocation)."""
+    from yatt_hpc.ckpt.layout import checkpoints_dir
+    from yatt_hpc.ckpt.manifest import completed_step
     from yatt_hpc.launch.local import launch_run
     from yatt_hpc.runtime.inputs import check_model_dirs
 
     cfg, p = load_and_plan(config_path, overrides)
     check_model_dirs(cfg)
+    done = completed_step(checkpoints_dir(run_dir), cfg.train.steps)
+    if done is not None:  # no ranks to start (a scheduler's restart of a finished run costs nothing)
+        click.echo(f"run {run_dir} is complete ({done}/{cfg.train.steps} steps); nothing to do")
+        sys.exit(0)
     code = launch_run(cfg, p, run_dir)
     if code:
         click.echo(f"yatt-hpc run: the job failed (exit {code}); per-rank logs are in {run_dir / 'logs'}", err=True)

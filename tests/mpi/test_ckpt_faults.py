@@ -2,17 +2,17 @@
 
     sudo .venv/bin/python -m pytest tests/mpi/test_ckpt_faults.py -q      # the disk-full case mounts tmpfs
 
-Each run saves a checkpoint after every step (checkpoint.interval=1, keep_last=2). Reference runs go
-straight through 2 steps (here) and 3 (the session's reference run, tests/conftest.py); a faulty run
-must end with bitwise the same weights and the same consumed prompt positions as the reference of its
-length: nothing lost, nothing consumed twice.
+Each run saves a checkpoint after every step (checkpoint.interval=1, keep_last=2). The reference is the
+session's uninterrupted run (tests/conftest.py reference_run) at 2 and 3 steps; a faulty run must end
+with bitwise the same weights and the same consumed prompt positions as the reference of its length:
+nothing lost, nothing consumed twice.
 
 - Disk full: RUN_DIR/checkpoints is a tmpfs of 1.5 checkpoints. The run fails at step 2's commit
   with one line naming the disk, the path and the fix; step 1 stays latest. After the disk grows,
   the same command resumes from step 1 and completes.
-- Corrupt latest: of a 2-step run's checkpoints, step 2 is damaged (a flipped byte in the parameters;
-  a truncated state.h5). A 3-step rerun skips it, says why in the leader's log, moves it aside to
-  step-2.corrupt, and resumes from step 1.
+- Corrupt latest: of a 2-step run's checkpoints (the reference run's first two), step 2 is damaged
+  (a flipped byte in the parameters; a truncated state.h5). A 3-step rerun skips it, says why in
+  the leader's log, moves it aside to step-2.corrupt, and resumes from step 1.
 The checkpoint-level versions are tests/unit/test_ckpt_disk_full.py and tests/unit/test_ckpt_manager.py.
 """
 from __future__ import annotations
@@ -44,20 +44,17 @@ def yatt_run(run_dir: Path, steps: int) -> subprocess.CompletedProcess:
                           cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=300)
 
 
-def straight_run(run_dir: Path, steps: int):
-    proc = yatt_run(run_dir, steps)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return final_state(run_dir, steps)
+@pytest.fixture
+def two_steps(reference_run, tmp_path):
+    """A run directory as a 2-step run leaves it (step-1 and step-2 committed: the session's reference
+    run with its later checkpoints left out) and the final state of an uninterrupted 2-step run."""
+    run_dir = tmp_path / "two_steps"
+    shutil.copytree(reference_run.dir, run_dir, ignore=shutil.ignore_patterns("step-[3-9]", "step-[1-9][0-9]*"))
+    assert [s.step for s in layout.list_steps(layout.checkpoints_dir(run_dir))] == [1, 2]
+    return run_dir, reference_run.state(2)
 
 
-@pytest.fixture(scope="module")
-def two_steps(mpirun, tmp_path_factory):
-    """An uninterrupted 2-step run: its directory (step-1 and step-2 committed) and its final state."""
-    run_dir = tmp_path_factory.mktemp("two_steps") / "run"
-    return run_dir, straight_run(run_dir, 2)
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def three_steps(reference_run):
     """The final state of an uninterrupted 3-step run (the session's reference run at step 3)."""
     return reference_run.state(3)

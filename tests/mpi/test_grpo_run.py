@@ -1,4 +1,4 @@
-"""Real `yatt-hpc run` under mpirun: 2 GRPO steps with trainer DP=2, rollout and GenRM ranks.
+"""Real `yatt-hpc run` under mpirun: GRPO steps with trainer DP=2, rollout and GenRM ranks.
 
 These are the spine's end-to-end checks: the metrics every review needs exist and make sense,
 the leader holds only its share of samples, the same seed gives the same run, and bad input
@@ -14,7 +14,7 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import REPO, mpi_env
+from tests.conftest import REPO, ReferenceRun, mpi_env
 
 CONFIG = str(REPO / "configs/demo_cpu.yaml")
 FAST = ["--set", "train.steps=2", "--set", "train.prompts_per_step=8", "--set", "rollout.samples_per_prompt=4",
@@ -36,24 +36,23 @@ def metrics(run_dir):
 
 
 @pytest.fixture(scope="module")
-def two_step_run(mpirun, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("grpo") / "run"
-    proc = yatt_run(run_dir)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return run_dir
+def demo_run(reference_run):
+    """The session's reference run (tests/conftest.py): this module's shape (8 prompts x 4 samples,
+    DP=2) for ReferenceRun.STEPS steps, TensorBoard on."""
+    return reference_run.dir
 
 
-def test_two_steps_write_every_tag_to_tensorboard(two_step_run):
-    acc = EventAccumulator(str(two_step_run / "tb"))
+def test_every_tag_is_written_to_tensorboard(demo_run, reference_run):
+    acc = EventAccumulator(str(demo_run / "tb"))
     acc.Reload()
     have = set(acc.Tags()["scalars"])
     assert not set(TAGS) - have, sorted(set(TAGS) - have)
-    assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2]
+    assert [e.step for e in acc.Scalars("reward/mean")] == list(range(1, reference_run.STEPS + 1))
 
 
-def test_metrics_are_consistent(two_step_run):
-    rows = metrics(two_step_run)
-    assert [r["step"] for r in rows] == [1, 2]
+def test_metrics_are_consistent(demo_run, reference_run):
+    rows = metrics(demo_run)
+    assert [r["step"] for r in rows] == list(range(1, reference_run.STEPS + 1))
     for r in rows:
         assert 0.0 <= r["reward/mean"] <= 1.0 and 0.0 <= r["reward/accuracy"] <= 1.0
         assert r["reward/genrm_agreement"] >= 0.5, "the demo judge must mostly agree with the rule verifier"
@@ -68,10 +67,10 @@ def test_metrics_are_consistent(two_step_run):
         assert all(r[f"memory/peak_rss_mb/{g}"] > 50 for g in ("trainer", "rollout", "genrm"))
 
 
-def test_run_dir_layout(two_step_run):
-    logs = sorted(p.name for p in (two_step_run / "logs").glob("*.log"))
+def test_run_dir_layout(demo_run):
+    logs = sorted(p.name for p in (demo_run / "logs").glob("*.log"))
     assert logs == ["rank-0000-trainer.log", "rank-0001-trainer.log", "rank-0002-rollout.log", "rank-0003-genrm.log"]
-    assert (two_step_run / "config.yaml").is_file() and (two_step_run / "summary.json").is_file()
+    assert (demo_run / "config.yaml").is_file() and (demo_run / "summary.json").is_file()
 
 
 def test_missing_model_file_is_a_clear_error(mpirun, tmp_path):
@@ -93,9 +92,9 @@ def test_dataset_row_without_prompt_stops_every_rank(mpirun, tmp_path):
     assert time.monotonic() - start < 90, "every rank must exit promptly (MPI abort), not hang"
 
 
-def test_hand_launch_with_wrong_rank_count_fails_fast(mpirun, tmp_path, two_step_run):
+def test_hand_launch_with_wrong_rank_count_fails_fast(mpirun, tmp_path, demo_run):
     run_dir = tmp_path / "run"
-    shutil.copytree(two_step_run, run_dir, ignore=shutil.ignore_patterns("tb", "logs", "*.jsonl"))
+    shutil.copytree(demo_run, run_dir, ignore=shutil.ignore_patterns("tb", "logs", "*.jsonl"))
     cmd = [mpirun, "--oversubscribe", "-np", "5", sys.executable, "-m", "yatt_hpc.runtime.worker",
            "--group", "trainer", "--run-dir", str(run_dir)]
     proc = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=120)
@@ -103,11 +102,11 @@ def test_hand_launch_with_wrong_rank_count_fails_fast(mpirun, tmp_path, two_step
     assert "the MPI world has 5 ranks but the plan needs 4" in proc.stderr
 
 
-def test_load_from_starts_fresh_with_another_runs_weights(two_step_run, tmp_path):
-    proc = yatt_run(tmp_path / "run", "--set", "train.steps=1", "--set", f"checkpoint.load_from={two_step_run}")
+def test_load_from_starts_fresh_with_another_runs_weights(demo_run, tmp_path):
+    proc = yatt_run(tmp_path / "run", "--set", "train.steps=1", "--set", f"checkpoint.load_from={demo_run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = (tmp_path / "run" / "logs" / "rank-0000-trainer.log").read_text()
-    assert f"initialized weights from {two_step_run} (its step 2)" in log
+    assert f"initialized weights from {demo_run} (its step {ReferenceRun.STEPS})" in log
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1]
     # the rollout engine samples with the loaded weights, not the initial model's
@@ -142,7 +141,7 @@ def test_bf16_run_trains_and_checkpoints_fp32_masters(tmp_path):
     assert dtypes == {"F32"}, dtypes
 
 
-def test_a_transformers_tokenizer_trains_exactly_like_the_character_one(two_step_run, tmp_path):
+def test_a_transformers_tokenizer_trains_exactly_like_the_character_one(demo_run, tmp_path):
     """The demo policy behind an HF tokenizer with the same ids (the path every real model takes) gives
     the very same run: it used to train at reward 0.000 because decoded responses kept their EOS. Being
     another launch with the same seed, it is also the check that a seed fixes the whole run."""
@@ -158,6 +157,6 @@ def test_a_transformers_tokenizer_trains_exactly_like_the_character_one(two_step
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the same seed gives the same run: rewards, lengths and losses equal the character run's, step by step
     keys = ("reward/mean", "reward/accuracy", "rollout/response_len_mean", "train/loss")
-    want, got = metrics(two_step_run), metrics(tmp_path / "run")
+    want, got = metrics(demo_run)[:2], metrics(tmp_path / "run")
     assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in want]
     assert got[0]["reward/mean"] > 0.1

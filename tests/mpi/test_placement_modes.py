@@ -41,23 +41,16 @@ TP2 = ("--set", "placement.trainer.tasks_per_node=4", "--set", "placement.traine
        "--set", "placement.trainer.dp=null", "--set", "train.kl_coef=0.01")
 
 
-@pytest.mark.parametrize("mode, extra", [
-    pytest.param("colocate", (), id="colocate"),
-    pytest.param("partial", (), id="partial"),
-    pytest.param("disjoint", TP2, id="disjoint-trainer-tp2-dp2"),
-])
-def test_mode_runs_and_scores_every_sample_once(mpirun, tiny_models, tmp_path, mode, extra):
-    proc = run_mode(tmp_path, tiny_models, mode, extra)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2
+def assert_mode(run_dir, mode: str, steps: int) -> None:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == steps
     for r in rows:
         assert r["rollout/generated"] == r["reward/scored"] == PROMPTS * N
         assert r["data/prompts_consumed"] == PROMPTS
         # the rollout engine samples with exactly the weights the trainer holds (weight sync, TP gather)
         assert r["train/rollout_logp_diff_max"] < 1e-4
-    phases = heavy_phases(tmp_path)
-    for step in (0, 1):
+    phases = heavy_phases(run_dir)
+    for step in range(steps):
         mine = [p for p in phases if p[1] == step]
         if mode == "colocate":
             for a in mine:
@@ -68,6 +61,21 @@ def test_mode_runs_and_scores_every_sample_once(mpirun, tiny_models, tmp_path, m
             first_score = min(p[2] for p in mine if p[0] == "genrm")
             last_generated = max(p[3] for p in mine if p[0] == "rollout")
             assert first_score < last_generated, "GenRM must score while rollout still generates"
+
+
+def test_colocate_runs_no_two_heavy_phases_at_once_and_scores_every_sample_once(reference_run):
+    """Colocate is the session's reference run (tests/conftest.py): the demo models, 8 prompts x 4, 20 steps."""
+    assert_mode(reference_run.dir, "colocate", reference_run.STEPS)
+
+
+@pytest.mark.parametrize("mode, extra", [
+    pytest.param("partial", (), id="partial"),
+    pytest.param("disjoint", TP2, id="disjoint-trainer-tp2-dp2"),
+])
+def test_mode_runs_and_scores_every_sample_once(mpirun, tiny_models, tmp_path, mode, extra):
+    proc = run_mode(tmp_path, tiny_models, mode, extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_mode(tmp_path, mode, 2)
 
 
 @pytest.fixture(scope="module")

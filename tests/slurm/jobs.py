@@ -17,16 +17,26 @@ def sbatch(script: str, workdir: Path) -> str:
 
 
 def job_rank_pid(run_dir: Path, rank: int, job: str, deadline: float) -> int:
-    """The pid world rank `rank` logged at start (`started: pid N`), checked to be a process of job
-    `job` (its SLURM_JOB_ID or SLURM_HET_JOB_ID) before anyone signals it: nothing is matched by name."""
+    """The pid world rank `rank` logged at start (`started: pid N`), once it is a process of job `job`
+    (its SLURM_JOB_ID or SLURM_HET_JOB_ID): nothing is matched by name, and a line an earlier job of
+    the same run directory left in the log (resubmissions append) is waited past, never signalled."""
+    seen = None
     while True:
         logs = list((run_dir / "logs").glob(f"rank-{rank:04d}-*.log"))
         text = logs[0].read_text() if logs else ""
         if "started: pid " in text:
             pid = int(text.rsplit("started: pid ", 1)[1].split()[0])
-            environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-            jobs = {environ.get("SLURM_JOB_ID"), environ.get("SLURM_HET_JOB_ID")}
-            assert job in jobs, f"pid {pid} belongs to job {jobs}, not to this test's job {job}"
-            return pid
-        assert time.monotonic() < deadline, f"rank {rank} never logged its pid"
+            seen = (pid, _jobs_of(pid))
+            if job in seen[1]:
+                return pid
+        assert time.monotonic() < deadline, f"rank {rank} of job {job} never logged its pid (last seen: {seen})"
         time.sleep(0.1)  # polling for the event (the log line), bounded
+
+
+def _jobs_of(pid: int) -> set[str | None]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_text()
+    except OSError:  # gone: an earlier job's rank
+        return set()
+    environ = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+    return {environ.get("SLURM_JOB_ID"), environ.get("SLURM_HET_JOB_ID")}

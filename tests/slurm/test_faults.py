@@ -3,9 +3,10 @@ resubmitting the same run directory resumes with every prompt consumed once.
 
 The rank is found by the pid its own log recorded, and checked to belong to this test's job (its
 SLURM_JOB_ID) before it is signalled: nothing is matched by name. The signal lands after checkpoint
-step-1 is committed (the event, not a time). The full 3 groups x 3 placements SIGKILL matrix runs
-under mpirun (tests/mpi/test_faults.py); here each group and each placement is hit once (`make test`
-runs the heterogeneous job's two cases, `make test-faults` all four).
+step-N is committed by the job hit (the event, not a time). The full 3 groups x 3 placements SIGKILL
+matrix runs under mpirun (tests/mpi/test_faults.py); here each group and each placement is hit once:
+`make test` runs the heterogeneous job's SIGKILL and SIGSTOP one after the other on one run directory
+(three submissions), `make test-faults` adds SIGKILL in colocate and partial.
 """
 import json
 import os
@@ -18,10 +19,11 @@ import pytest
 from tests.conftest import PYTHON, REPO, full_matrix_only
 from tests.mpi.test_faults import assert_every_prompt_once
 from tests.slurm.jobs import job_rank_pid
+from yatt_hpc.ckpt import layout
 from yatt_hpc.launch.jobs import top_states, wait_job
 
 DEMO = str(REPO / "configs/demo_cpu.yaml")
-STEPS = 3
+STEPS = 4  # two faults, each after a step its job committed, and a step left for the last job
 ARGS = [f"train.steps={STEPS}", "train.prompts_per_step=8", "rollout.samples_per_prompt=4", "checkpoint.interval=1",
         "logging.progress=false", "logging.tensorboard=false", "slurm.env.OMPI_MCA_btl=self,tcp", "slurm.time=00:20:00",
         "health.heartbeat_s=1", "health.stall_timeout_s=8"]
@@ -37,12 +39,17 @@ def submit(run_dir, mode) -> str:
 
 
 def hit(run_dir, mode, rank: int, sig: int) -> tuple[dict, str]:
+    """Submit, and signal `rank` once this job has committed a checkpoint of its own (the first step
+    after the latest one an earlier job left: a killed job may have committed one more than it logged)."""
+    committed = [s.step for s in layout.list_steps(layout.checkpoints_dir(run_dir)) if s.committed]
+    after_step = max(committed, default=0) + 1
+    assert after_step < STEPS, f"no step left to hit after checkpoint step-{after_step - 1}"
     job = submit(run_dir, mode)
     deadline = time.monotonic() + 300
     pid = job_rank_pid(run_dir, rank, job, deadline)
-    marker = run_dir / "checkpoints" / "step-1" / "COMMITTED"
+    marker = run_dir / "checkpoints" / f"step-{after_step}" / "COMMITTED"
     while not marker.exists():
-        assert time.monotonic() < deadline, f"checkpoint step-1 never committed: {top_states(job)}"
+        assert time.monotonic() < deadline, f"checkpoint step-{after_step} never committed: {top_states(job)}"
         time.sleep(0.1)
     os.kill(pid, sig)
     sent = time.monotonic()
@@ -59,12 +66,12 @@ def resubmit_and_check(run_dir, mode) -> None:
     log = "".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob(f"job_{job}_*.log")))
     assert set(states.values()) == {"COMPLETED"}, (states, log[-3000:])
     assert "resumed from checkpoint step" in log
-    assert_every_prompt_once(run_dir)
+    assert_every_prompt_once(run_dir, steps=STEPS)
 
 
-@pytest.mark.parametrize("mode, group", [pytest.param("colocate", "trainer", id="colocate-trainer", marks=full_matrix_only),
-                                         pytest.param("disjoint", "rollout", id="disjoint-rollout"),
-                                         pytest.param("partial", "genrm", id="partial-genrm", marks=full_matrix_only)])
+@full_matrix_only
+@pytest.mark.parametrize("mode, group", [pytest.param("colocate", "trainer", id="colocate-trainer"),
+                                         pytest.param("partial", "genrm", id="partial-genrm")])
 def test_a_killed_rank_fails_the_job_named_and_a_resubmission_resumes(slurm_cluster, tmp_path, mode, group):
     run_dir = tmp_path / "run"
     rank = RANK_OF[group]
@@ -74,9 +81,15 @@ def test_a_killed_rank_fails_the_job_named_and_a_resubmission_resumes(slurm_clus
     resubmit_and_check(run_dir, mode)
 
 
-def test_a_stopped_rank_is_named_the_job_fails_and_a_resubmission_resumes(slurm_cluster, tmp_path):
+def test_a_killed_then_a_stopped_rank_each_fail_the_job_named_and_resubmissions_resume(slurm_cluster, tmp_path):
+    """The heterogeneous job (disjoint), three submissions of one run directory: SIGKILL of the rollout
+    rank once step 1 is committed; in the resubmission SIGSTOP of the GenRM rank once it has committed
+    the next step; the third job completes the run, every prompt consumed once over all three."""
     run_dir = tmp_path / "run"
-    summary, job = hit(run_dir, "disjoint", 3, signal.SIGSTOP)
+    summary, _ = hit(run_dir, "disjoint", RANK_OF["rollout"], signal.SIGKILL)
+    assert summary["failure"].startswith("rollout (world rank 2) on "), summary
+    assert "killed by signal 9" in summary["failure"], summary
+    summary, job = hit(run_dir, "disjoint", RANK_OF["genrm"], signal.SIGSTOP)
     assert summary["failure"].startswith("genrm (world rank 3): stalled (silent): no heartbeat for"), summary
     assert (run_dir / "logs" / f"stall_{job}_0.json").exists()
     resubmit_and_check(run_dir, "disjoint")

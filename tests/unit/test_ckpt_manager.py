@@ -222,3 +222,14 @@ def test_checkpoint_code_never_unpickles():
     for needle in ("torch.load", "pickle", "np.load", "allow_pickle"):
         assert needle not in sources.replace("without pickle", "").replace("no pickle", "").replace(
             "Never pickle", "").replace("not pickled", "").replace("Nothing is pickled", ""), needle
+
+
+def test_a_run_is_complete_only_when_its_newest_checkpoint_covers_the_steps_and_verifies(tmp_path):
+    from yatt_hpc.ckpt.manifest import completed_step
+
+    ckpt = save_steps(tmp_path, [1, 2, 3])
+    assert completed_step(ckpt, 3) == 3 and completed_step(ckpt, 2) == 3  # `yatt-hpc run` starts no rank
+    assert completed_step(ckpt, 4) is None  # steps left: the ranks run them
+    _flip_byte(ckpt / "step-3")
+    assert completed_step(ckpt, 3) is None, "a damaged newest checkpoint: the ranks resume from step 2"
+    assert completed_step(tmp_path / "fresh", 1) is None

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from yatt_hpc.ckpt.layout import COMMIT_MARKER, STATE_FILE
+from yatt_hpc.ckpt.layout import COMMIT_MARKER, STATE_FILE, list_steps
 
 _CHUNK = 8 << 20
 
@@ -120,3 +120,13 @@ def verify_step(step_dir: Path) -> str | None:
         if problem:
             return problem
     return None
+
+
+def completed_step(ckpt_dir: Path, steps: int) -> int | None:
+    """The step of the newest committed checkpoint when it covers ``steps`` and verifies: a run with
+    nothing left to do (its launcher need not start a rank). None otherwise, also when that
+    checkpoint is damaged: the ranks then resume from an older one, moving it aside as they do."""
+    committed = [entry for entry in list_steps(ckpt_dir) if entry.committed]
+    if not committed or committed[-1].step < steps or verify_step(committed[-1].path) is not None:
+        return None
+    return committed[-1].step
