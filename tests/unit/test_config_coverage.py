@@ -165,7 +165,7 @@ EFFECT: dict[str, str] = {
     "slurm.extra_flags": "tests/unit/test_sbatch_render.py::test_disjoint_is_a_heterogeneous_job_with_one_component_per_group",
     "slurm.env": "tests/unit/test_sbatch_render.py::test_rendered_script_runs_only_what_we_meant",
     # ---------------------------------------------------------------- logging
-    "logging.tensorboard": "tests/mpi/test_grpo_run.py::test_two_steps_write_every_tag_to_tensorboard",  # default true
+    "logging.tensorboard": "tests/mpi/test_grpo_run.py::test_every_tag_is_written_to_tensorboard",  # default true
     "logging.level": f"{RUN}::test_logging_level_warning_hides_the_info_lines_of_every_rank",
     "logging.progress": f"{RUN}::test_logging_progress_prints_the_leaders_step_line",
 }
