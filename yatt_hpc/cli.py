@@ -116,7 +116,7 @@ def run_cmd(config_path: str, run_dir: Path, overrides: tuple[str, ...]) -> None
     cfg, p = load_and_plan(config_path, overrides)
     check_model_dirs(cfg)
     done = completed_step(checkpoints_dir(run_dir), cfg.train.steps)
-    if done is not None:  # no ranks to start (a scheduler's restart of a finished run costs nothing)
+    if done is not None:  # no ranks to start: running a finished run again costs no start-up
         click.echo(f"run {run_dir} is complete ({done}/{cfg.train.steps} steps); nothing to do")
         sys.exit(0)
     code = launch_run(cfg, p, run_dir)

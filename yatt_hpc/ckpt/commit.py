@@ -82,7 +82,9 @@ def quiet_barrier(comm, poll_s: float = 0.005) -> None:
     """Wait for every rank of ``comm`` sleeping between tests of an Ibarrier. The collectives of a
     save are reached seconds apart (each rank writes its own shard first; the others then wait for
     the leader's fsyncs), often on the writer thread while the main thread computes: a blocking
-    Open MPI collective would spin there and take the core it needs."""
+    Open MPI collective would spin there and take the core it needs. Not `comm.transport`'s: that
+    one marks the loop thread's activity for the health monitor, which the writer thread must not,
+    and this one also runs without MPI (`LocalComm`)."""
     request = comm.Ibarrier()
     while not request.Test():
         time.sleep(poll_s)
