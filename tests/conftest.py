@@ -63,6 +63,26 @@ def slurm_cluster() -> str:
     return next((line.split("=", 1)[1].strip() for line in cluster.splitlines() if line.startswith("ClusterName")), "?")
 
 
+def checkpoint_weights(run_dir: Path, step: int) -> dict:
+    """The parameters (TP rank 0) a run's checkpoint step-`step` holds."""
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "checkpoints" / f"step-{step}" / "model-tp0-pp0.safetensors"))
+
+
+def final_state(run_dir: Path, steps: int, *, longer_run: bool = False):
+    """(weights, consumed prompts per replica as (step, positions)) of a `steps`-step demo run. With
+    `longer_run`, the same of the first `steps` steps of a run that went on (its later rows are left
+    out); otherwise every row it logged counts, so a step logged twice or too many shows."""
+    import json
+
+    consumed = []
+    for dp in (0, 1):
+        rows = [json.loads(line) for line in (run_dir / "data" / f"consumed-dp{dp}.jsonl").read_text().splitlines()]
+        consumed.append([(r["step"], r["positions"]) for r in rows if not longer_run or r["step"] < steps])
+    return checkpoint_weights(run_dir, steps), consumed
+
+
 class ReferenceRun:
     """An uninterrupted demo run that exact-resume tests compare with (`reference_run`). Nothing in a
     step depends on `train.steps` or on when checkpoints are taken, so its step-k checkpoint and its
@@ -76,19 +96,11 @@ class ReferenceRun:
         self.dir = run_dir
 
     def weights(self, step: int) -> dict:
-        from safetensors.torch import load_file
-
-        return load_file(str(self.dir / "checkpoints" / f"step-{step}" / "model-tp0-pp0.safetensors"))
+        return checkpoint_weights(self.dir, step)
 
     def state(self, step: int):
-        """(weights, consumed) as tests/mpi/test_exact_resume.final_state gives them for a `step`-step run."""
-        import json
-
-        consumed = []
-        for dp in (0, 1):
-            rows = [json.loads(line) for line in (self.dir / "data" / f"consumed-dp{dp}.jsonl").read_text().splitlines()]
-            consumed.append([(r["step"], r["positions"]) for r in rows if r["step"] < step])
-        return self.weights(step), consumed
+        """`final_state` of a `step`-step run: this run's first `step` steps."""
+        return final_state(self.dir, step, longer_run=True)
 
 
 @pytest.fixture(scope="session")

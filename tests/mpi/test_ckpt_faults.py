@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, mpi_env
-from tests.mpi.test_exact_resume import assert_same, final_state
+from tests.conftest import REPO, final_state, mpi_env
+from tests.mpi.test_exact_resume import assert_same
 from yatt_hpc.ckpt import find_latest, layout
 from yatt_hpc.ckpt.manifest import verify_step
 

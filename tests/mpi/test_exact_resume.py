@@ -5,7 +5,6 @@ then resume; run a third time and SIGKILL every rank mid-run (no save: only peri
 survive, possibly with an async write torn), then resume. All three must end with identical
 parameters and the identical sequence of consumed prompt positions.
 """
-import json
 import random
 import signal
 import subprocess
@@ -14,9 +13,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.conftest import REPO, kill_tree, mpi_env
+from tests.conftest import REPO, final_state, kill_tree, mpi_env
 
 CONFIG = str(REPO / "configs/demo_cpu.yaml")
 K = 8
@@ -52,15 +50,6 @@ def start_and_interrupt(run_dir, after_steps: int, how: str):
     return proc.returncode, out
 
 
-def final_state(run_dir, steps: int = K):
-    weights = load_file(str(run_dir / "checkpoints" / f"step-{steps}" / "model-tp0-pp0.safetensors"))
-    consumed = []
-    for dp in (0, 1):
-        rows = [json.loads(line) for line in (run_dir / "data" / f"consumed-dp{dp}.jsonl").read_text().splitlines()]
-        consumed.append([(r["step"], r["positions"]) for r in rows])
-    return weights, consumed
-
-
 @pytest.fixture(scope="module")
 def straight(reference_run):
     """Where K uninterrupted steps end (the session's reference run, tests/conftest.py)."""
@@ -93,7 +82,7 @@ def test_interrupted_run_resumes_bitwise_identical(straight, tmp_path, how):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     if how == "term":
         assert "resumed from checkpoint step" in proc.stdout
-    assert_same(final_state(run_dir), straight)
+    assert_same(final_state(run_dir, K), straight)
     if how == "term":  # running a finished run again does nothing (once: it does not depend on how it stopped)
         again = subprocess.run(cmd(run_dir), cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=300)
         assert again.returncode == 0 and "is complete" in again.stdout

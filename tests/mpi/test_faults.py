@@ -24,8 +24,8 @@ import time
 
 import pytest
 
-from tests.conftest import FULL_MATRIX, REPO, kill_tree, mpi_env, tree_pids
-from tests.mpi.test_exact_resume import assert_same, final_state
+from tests.conftest import FULL_MATRIX, REPO, final_state, kill_tree, mpi_env, tree_pids
+from tests.mpi.test_exact_resume import assert_same
 from yatt_hpc.ckpt.loader import find_latest
 
 STEPS, PROMPTS = 3, 8

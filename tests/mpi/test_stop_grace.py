@@ -20,8 +20,8 @@ from datetime import datetime
 
 import pytest
 
-from tests.conftest import REPO, kill_leftovers, leftover_pids, mpi_env, wait_for_log_line
-from tests.mpi.test_exact_resume import assert_same, final_state, finished_steps
+from tests.conftest import REPO, final_state, kill_leftovers, leftover_pids, mpi_env, wait_for_log_line
+from tests.mpi.test_exact_resume import assert_same, finished_steps
 from tests.mpi.test_overdispatch_run import assert_every_position_consumed_once_or_queued
 from yatt_hpc.ckpt.state import read_shared
 

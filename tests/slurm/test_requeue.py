@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.conftest import REPO, full_matrix_only, wait_for_log_line
+from tests.conftest import REPO, checkpoint_weights, full_matrix_only, wait_for_log_line
 from tests.slurm.jobs import job_rank_pid
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import wait_job
@@ -45,10 +44,6 @@ def wait_steps(run_dir: Path, n: int, timeout: float = 240) -> None:
     while finished_steps(run_dir) < n:
         assert time.monotonic() < deadline, f"run did not reach step {n}: {finished_steps(run_dir)}"
         time.sleep(0.2)
-
-
-def final_weights(run_dir: Path) -> dict:
-    return load_file(str(run_dir / "checkpoints" / f"step-{STEPS}" / "model-tp0-pp0.safetensors"))
 
 
 def restart_count(run_dir: Path, job_id: str) -> int:
@@ -90,7 +85,7 @@ def test_scontrol_requeue_mid_run_resumes_and_completes(slurm_cluster, uninterru
     assert restart_count(run_dir, sub.job_id) >= 1
     assert "resumed from checkpoint step" in logs(run_dir)
     assert finished_steps(run_dir) == STEPS
-    assert_same_weights(final_weights(run_dir), uninterrupted)
+    assert_same_weights(checkpoint_weights(run_dir, STEPS), uninterrupted)
 
 
 def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted, tmp_path):
@@ -106,7 +101,7 @@ def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted
     assert restart_count(run_dir, sub.job_id) >= 1
     log = logs(run_dir)
     assert "stop signal" in log or "resumed from checkpoint step" in log
-    assert_same_weights(final_weights(run_dir), uninterrupted)
+    assert_same_weights(checkpoint_weights(run_dir, STEPS), uninterrupted)
     subprocess.run(["scancel", high])
 
 
@@ -128,7 +123,7 @@ def test_sigkilled_job_resumes_from_periodic_checkpoint_after_resubmission(slurm
     assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
     assert "resumed from checkpoint step" in logs(run_dir)
     assert finished_steps(run_dir) == STEPS
-    assert_same_weights(final_weights(run_dir), uninterrupted)
+    assert_same_weights(checkpoint_weights(run_dir, STEPS), uninterrupted)
 
 
 def test_requeue_during_a_long_step_gives_it_up_within_the_grace(slurm_cluster, tmp_path):
