@@ -76,6 +76,7 @@ EFFECT: dict[str, str] = {
     "rollout.top_p": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",  # only 1.0 is accepted
     "rollout.weight_sync_bucket_mb": f"{RUN}::test_weight_sync_bucket_mb_sets_the_buckets_of_a_sync",
     "rollout.stream_queue": f"{RUN}::test_stream_queue_bounds_the_sends_in_flight_to_genrm",
+    "rollout.max_batch_size": f"{EFFECTS}::test_max_batch_size_cuts_the_engines_decode_batches_and_not_the_samples",
     "rollout.routing": f"{RUN}::test_routing_least_loaded_sends_every_replica_to_every_rollout_rank",
     "rollout.stream_chunk": "tests/mpi/test_placement_modes.py::test_mode_runs_and_scores_every_sample_once",
     "rollout.streaming": "tests/mpi/test_placement_modes.py::"
@@ -139,6 +140,7 @@ EFFECT: dict[str, str] = {
                                        "test_routes_of_a_split_cover_the_pool_and_send_weights_to_next_generators",
     "placement.dynamic_split.min_replicas": f"{EFFECTS}::test_min_replicas_bounds_how_far_the_split_moves",
     "placement.dynamic_split.hysteresis": f"{EFFECTS}::test_hysteresis_decides_whether_a_better_split_is_taken",
+    "placement.node_cpus": "tests/unit/test_core_share.py::test_node_cpus_gives_the_running_phase_the_nodes_cores",
     # ---------------------------------------------------------------- checkpoint
     "checkpoint.interval": "tests/mpi/test_ckpt_faults.py::"
                            "test_a_corrupt_latest_checkpoint_is_skipped_moved_aside_and_the_run_resumes_from_the_one_before",
@@ -194,6 +196,7 @@ REFUSED: dict[str, str] = {
     "placement.rollout.tp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",
     "placement.genrm.cpus_per_task": "tests/unit/test_split.py::test_impossible_dynamic_split_names_field_and_fix",
     "placement.dynamic_split.min_replicas": "tests/unit/test_split.py::test_impossible_dynamic_split_names_field_and_fix",
+    "placement.node_cpus": "tests/unit/test_core_share.py::test_other_placements_keep_cpus_per_task_and_refuse_node_cpus",
     "checkpoint.keep_last": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
     "checkpoint.stop_grace_s": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",
     "health.heartbeat_s": "tests/unit/test_health.py::test_the_timeout_must_leave_room_for_late_beats",

@@ -343,14 +343,19 @@ def _probe_controllers(out: str) -> None:
     tok = load_tokenizer(DEMO / "policy")
     report: dict = {"rollout": {}, "genrm": {}}
     rows = demo_rows(seed=4242, count=8, split="heldout")
-    for name, sets in {"a": ("train.seed=0",), "again": ("train.seed=0",), "other_seed": ("train.seed=1",)}.items():
+    runs = {"a": ("train.seed=0",), "again": ("train.seed=0",), "other_seed": ("train.seed=1",),
+            "batches_of_5": ("train.seed=0", "rollout.max_batch_size=5")}
+    for name, sets in runs.items():
         cfg = _cfg(*PROBED, "rollout.max_new_tokens=3", "rollout.temperature=1.5", *sets)
         ctl = RolloutController(_fake_world(cfg, "rollout"), cfg, RankStats("rollout"), None)
+        micro_batches = []
+        decode = ctl.engine._generate_batch
+        ctl.engine._generate_batch = lambda reqs, *a, **k: micro_batches.append(len(reqs)) or decode(reqs, *a, **k)
         prompts = _prompt_batch(rows, tok, n=4)
         requests = ctl.requests(prompts)
         done = ctl.generate(prompts)
         report["rollout"][name] = {
-            "engine": type(ctl.engine).__module__,
+            "engine": type(ctl.engine).__module__, "micro_batches": micro_batches,
             "requests": sorted({(r.max_new_tokens, r.temperature, r.top_p) for r in requests}),
             "responses": [r.tolist() for r in done.ragged("response_tokens")]}
         ctl.close()
@@ -397,6 +402,27 @@ def test_rollout_requests_carry_the_configured_sampling(controllers):
     assert a["requests"] == [[3, 1.5, 1.0]]  # max_new_tokens, temperature, top_p of every request
     lengths = [len(r) for r in a["responses"]]
     assert max(lengths) == 3 and min(lengths) >= 1
+
+
+@needs_demo_models
+def test_max_batch_size_cuts_the_engines_decode_batches_and_not_the_samples(controllers):
+    got = controllers["rollout"]
+    assert got["a"]["micro_batches"] == [32]  # 8 prompts x 4 in one batch (the demo's 256 rows)
+    assert got["batches_of_5"]["micro_batches"] == [5, 5, 5, 5, 5, 5, 2]
+    assert got["batches_of_5"]["responses"] == got["a"]["responses"]  # every request draws from its own seed
+
+
+def test_max_batch_size_is_the_sglang_engines_max_running_requests():
+    from yatt_hpc.roles.base import rollout_engine_options
+
+    def options(*sets, config="demo_cpu.yaml"):
+        cfg = _cfg(*sets, config=config)
+        return rollout_engine_options(_fake_world(cfg, "rollout"), cfg)
+
+    assert "max_batch_size" not in options("rollout.max_batch_size=null")  # the engine's own default
+    assert options("rollout.max_batch_size=7")["max_batch_size"] == 7
+    assert "max_running_requests" not in options(config="colocate_gpu.yaml")
+    assert options("rollout.max_batch_size=96", config="colocate_gpu.yaml")["max_running_requests"] == 96
 
 
 @needs_demo_models

@@ -39,6 +39,8 @@ PROBES = {
     "shifted_scale": ("reward.judge_parser=last_number", "reward.judge_score_min=2", "reward.judge_score_max=12"),
     "bf16": ("reward.judge_dtype=bfloat16",),
     "batch5": ("reward.judge_batch_size=5",),
+    "rollout_batch6": ("rollout.max_batch_size=6",),  # judge_batch_size null follows it
+    "engine_default": ("rollout.max_batch_size=null",),
     "chat_auto": ("reward.genrm_path={chat_judge}", "reward.judge_template='Q: {question} A: {response}'"),
     "chat_false": ("reward.genrm_path={chat_judge}", "reward.judge_template='Q: {question} A: {response}'",
                    "reward.judge_chat=false"),
@@ -215,8 +217,11 @@ def test_judge_score_min_and_max_set_the_scale(probed):
 @needs_demo_models
 def test_judge_dtype_and_batch_size_reach_the_judges_engine(probed):
     assert probed["bf16"]["dtype"] == "torch.bfloat16" and probed["default"]["dtype"] == "torch.float32"
-    assert probed["batch5"]["max_batch_size"] == 5 and probed["default"]["max_batch_size"] == 64
-    assert probed["batch5"]["batches"] == [5, 5, 5, 5, 4] and probed["default"]["batches"] == [24]
+    assert probed["batch5"]["max_batch_size"] == 5 and probed["batch5"]["batches"] == [5, 5, 5, 5, 4]
+    # null: the demo's rollout.max_batch_size (256), another one, or 64 without it
+    assert probed["default"]["max_batch_size"] == 256 and probed["default"]["batches"] == [24]
+    assert probed["rollout_batch6"]["max_batch_size"] == 6 and probed["rollout_batch6"]["batches"] == [6, 6, 6, 6]
+    assert probed["engine_default"]["max_batch_size"] == 64
 
 
 @needs_demo_models

@@ -188,6 +188,12 @@ class RolloutConfig(Section):
     """Nucleus sampling mass; only 1.0 is accepted for training rollouts (see the validator)."""
     weight_sync_bucket_mb: float = Field(64.0, gt=0)
     """Size of one trainer -> rollout weight-sync bucket in MiB."""
+    max_batch_size: int | None = Field(None, ge=1)
+    """Requests one rollout engine decodes together: `hf` cuts its requests (shortest prompts first) into
+    micro-batches of this many rows, `sglang` takes it as `max_running_requests`. null: the engine's own
+    (hf: 64 rows; sglang: what its memory pool fits). On CPU a decode step of a small model costs about
+    the same for 64 rows as for 256, so one micro-batch per wave is fastest; its KV cache grows with it.
+    Samples do not depend on it (every request draws from its own seed)."""
     stream_chunk: int = Field(8, ge=1)
     """In `partial` and `disjoint` placement, samples are generated and streamed to GenRM in chunks
     of this many, rounded down to whole prompt groups (at least one), so scoring overlaps generation
@@ -321,8 +327,9 @@ class RewardConfig(Section):
     matched case-insensitively; the last match counts, e.g. `Final verdict: (yes|no)`."""
     judge_dtype: Literal["float32", "bfloat16", "float16", None] = None
     """Parameter dtype of the judge's engine; null takes model.dtype."""
-    judge_batch_size: int = Field(64, ge=1)
-    """Judge prompts given to the engine at a time (the hf engine's batch; bounds SGLang's concurrency too)."""
+    judge_batch_size: int | None = Field(None, ge=1)
+    """Judge prompts given to the engine at a time (the hf engine's batch; bounds SGLang's concurrency too);
+    null: rollout.max_batch_size when that is set, else 64."""
 
     @model_validator(mode="before")
     @classmethod
@@ -482,6 +489,14 @@ class PlacementConfig(Section):
     """GenRM group shape."""
     dynamic_split: DynamicSplitConfig = DynamicSplitConfig()
     """Dynamic rollout/GenRM split of the engine pool (`partial` only; off by default)."""
+    node_cpus: int | None = Field(None, ge=1)
+    """`colocate` only: the CPU cores of a node that its ranks take in turn. While a group's phase holds
+    the devices its ranks on the node run node_cpus / tasks_per_node torch threads each (at least their
+    cpus_per_task), and go back to cpus_per_task when the phase ends: on CPU the cores are the devices.
+    null: the most any one group asks for on the node (tasks_per_node x cpus_per_task), which the phases
+    use in turn; the demo's 2 trainer ranks make it 2, so generation and judging take both cores. A
+    config value, never read from the machine, because the thread count changes the order of float sums:
+    the same config gives the same numbers under mpirun and under Slurm."""
 
 
 class CheckpointConfig(Section):

@@ -82,6 +82,18 @@ class Plan:
     mode: str
     groups: tuple[GroupPlan, ...]
     dynamic_split: bool = False  # rollout + genrm ranks are one engine pool, re-split every step
+    node_cpus: int | None = None  # colocate: the cores of a node its ranks take in turn (else None)
+
+    def phase_threads(self, group: str) -> tuple[int, int]:
+        """(idle, active) torch threads of a rank of `group`: active while its phase holds the devices.
+
+        Full colocation gives the phase the node's cores (`placement.node_cpus`), split over the group's
+        ranks on the node; every other placement keeps `cpus_per_task` throughout.
+        """
+        g = self.group(group)
+        if self.node_cpus is None:
+            return g.cpus_per_task, g.cpus_per_task
+        return g.cpus_per_task, max(g.cpus_per_task, self.node_cpus // g.tasks_per_node)
 
     @property
     def pool_ranks(self) -> range:
@@ -156,7 +168,17 @@ def plan(cfg: RunConfig) -> Plan:
         groups.append(GroupPlan(name, gp.nodes, gp.tasks_per_node, gp.devices_per_task, gp.cpus_per_task,
                                 gp.mem, layouts[name], start, SlurmShape(kind, index)))
         start += gp.nodes * gp.tasks_per_node
-    return Plan(pc.mode, tuple(groups), dynamic_split=pc.dynamic_split.enabled)
+    return Plan(pc.mode, tuple(groups), dynamic_split=pc.dynamic_split.enabled, node_cpus=_node_cpus(pc, groups))
+
+
+def _node_cpus(pc, groups: list[GroupPlan]) -> int | None:
+    if pc.mode != "colocate":
+        if pc.node_cpus is not None:
+            raise PlanError(f"placement.node_cpus={pc.node_cpus} is set but placement.mode={pc.mode}: only full "
+                            "colocation hands a node's cores from phase to phase (partial and disjoint give each "
+                            "group its own cpus_per_task); remove placement.node_cpus or set placement.mode=colocate")
+        return None
+    return pc.node_cpus or max(g.tasks_per_node * g.cpus_per_task for g in groups)
 
 
 def _trainer_layout(gp: GroupPlacement) -> tuple[tuple[str, int], ...]:

@@ -51,6 +51,10 @@ def print_plan(p: Plan, run_dir: str, console: Console, python: str = "python3",
     console.print("leader (decisions only): world rank 0 = trainer rank 0")
     for line in what_runs(cfg) if cfg is not None else ():
         console.print(line, markup=False, highlight=False)
+    if p.node_cpus is not None:
+        threads = ", ".join(f"{g.name} {p.phase_threads(g.name)[1]}" for g in p.groups)
+        console.print(f"colocated phases take turns on {p.node_cpus} CPU cores per node (placement.node_cpus): "
+                      f"threads per rank in its phase {threads}", markup=False, highlight=False)
     if p.dynamic_split:
         pool, first = p.pool_ranks, p.group("rollout").tasks
         console.print(f"dynamic split: ranks {pool.start}-{pool.stop - 1} are one engine pool, re-split by load every "

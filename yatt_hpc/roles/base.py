@@ -47,6 +47,15 @@ def engine_options(world, cfg) -> dict:
     return opts
 
 
+def rollout_engine_options(world, cfg) -> dict:
+    """`engine_options` of a rollout engine, plus `rollout.max_batch_size` in the engine's own terms."""
+    opts = engine_options(world, cfg)
+    size = cfg.rollout.max_batch_size
+    if size is not None:
+        opts["max_batch_size" if cfg.rollout.engine == "hf" else "max_running_requests"] = size
+    return opts
+
+
 class BaseController:
     shard: dict[str, int] = {}
     routes = None  # this step's Routes; every controller sets its own in __init__

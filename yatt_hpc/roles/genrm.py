@@ -43,6 +43,11 @@ from yatt_hpc.sched.routing import Routes
 log = logging.getLogger(__name__)
 
 
+def judge_batch_size(cfg) -> int:
+    """`reward.judge_batch_size`, else `rollout.max_batch_size`, else 64 rows."""
+    return cfg.reward.judge_batch_size or cfg.rollout.max_batch_size or 64
+
+
 class GenRMController(BaseController):
     def __init__(self, world, cfg: RunConfig, stats: RankStats, protocol: StepProtocol):
         self.world, self.cfg, self.stats, self.protocol = world, cfg, stats, protocol
@@ -60,7 +65,7 @@ class GenRMController(BaseController):
                                                     engine_options={**engine_options(world, cfg),
                                                                     "dtype": rc.judge_dtype or cfg.model.dtype},
                                                     max_new_tokens=rc.verdict_max_tokens,
-                                                    temperature=rc.verdict_temperature, batch_size=rc.judge_batch_size,
+                                                    temperature=rc.verdict_temperature, batch_size=judge_batch_size(cfg),
                                                     template=load_judge_template(rc.judge_template),
                                                     chat=rc.judge_chat, parser=parser)
             if self.colocate:

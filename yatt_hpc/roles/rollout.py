@@ -33,7 +33,7 @@ from yatt_hpc.comm.transport import (
 )
 from yatt_hpc.comm.weight_sync import recv_weights
 from yatt_hpc.config.schema import RunConfig
-from yatt_hpc.roles.base import BaseController, engine_options, rank_device
+from yatt_hpc.roles.base import BaseController, rank_device, rollout_engine_options
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.rollout import GenerationRequest, GenerationResult, build_engine
@@ -54,7 +54,7 @@ class RolloutController(BaseController):
         self.streaming = cfg.rollout.streaming == "finished_groups" and not self.colocate
         self.engine = build_engine(cfg.rollout.engine, cfg.model.path, device=rank_device(world),
                                    tp_size=world.plan.group("rollout").size("tp"), seed=cfg.train.seed,
-                                   **engine_options(world, cfg))
+                                   **rollout_engine_options(world, cfg))
         if self.colocate:
             self.engine.release_memory()  # the trainer builds first; the engine wakes for its phase
         self.stops = StopWatch(world.comm, self.engine)  # over-dispatch STOPs, whichever way it generates

@@ -42,9 +42,9 @@ def setup_logging(run_dir: Path, rank: int, group: str, level: str) -> Path:
 
 
 def build_controller(world, cfg, run_dir: Path, stats, protocol):
-    import torch
+    from yatt_hpc.roles.colocation import set_phase_threads
 
-    torch.set_num_threads(world.plan.group(world.group).cpus_per_task)
+    set_phase_threads(*world.plan.phase_threads(world.group))
     if world.group == "trainer":
         from yatt_hpc.roles.trainer import TrainerController
 

@@ -1,0 +1,56 @@
+"""On CPU the cores are the devices: in full colocation the group whose phase runs takes the node's cores
+as torch threads (`placement.node_cpus`) and gives them back when the phase ends
+(yatt_hpc/placement/plan.py `Plan.phase_threads`, yatt_hpc/roles/colocation.py)."""
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+from yatt_hpc.config import load_config
+from yatt_hpc.placement import PlanError, plan
+from yatt_hpc.roles import colocation
+
+
+def plan_of(*sets: str):
+    return plan(load_config(REPO / "configs/demo_cpu.yaml", list(sets)))
+
+
+@pytest.mark.parametrize("sets, expect", [
+    # the demo (null): 2 trainer ranks x 1 cpu are the most any group asks of the node
+    ((), {"trainer": (1, 1), "rollout": (1, 2), "genrm": (1, 2)}),
+    (("placement.node_cpus=16",), {"trainer": (1, 8), "rollout": (1, 16), "genrm": (1, 16)}),
+    (("placement.rollout.cpus_per_task=3",), {"trainer": (1, 1), "rollout": (3, 3), "genrm": (1, 3)}),
+    (("placement.node_cpus=1",), {"trainer": (1, 1), "rollout": (1, 1), "genrm": (1, 1)}),  # never below cpus_per_task
+])
+def test_node_cpus_gives_the_running_phase_the_nodes_cores(sets, expect):
+    p = plan_of(*sets)
+    assert {g: p.phase_threads(g) for g in expect} == expect
+
+
+@pytest.mark.parametrize("mode", ["partial", "disjoint"])
+def test_other_placements_keep_cpus_per_task_and_refuse_node_cpus(mode):
+    p = plan_of(f"placement.mode={mode}", "placement.rollout.cpus_per_task=3")
+    assert p.node_cpus is None and p.phase_threads("rollout") == (3, 3) and p.phase_threads("trainer") == (1, 1)
+    with pytest.raises(PlanError, match=rf"placement.node_cpus=2 is set but placement.mode={mode}.*remove"):
+        plan_of(f"placement.mode={mode}", "placement.node_cpus=2")
+
+
+def test_resume_takes_the_phases_threads_and_release_gives_them_back():
+    before = torch.get_num_threads()
+    stats = SimpleNamespace(phase=lambda name: nullcontext())
+    engine = SimpleNamespace(resume_memory=lambda: None, release_memory=lambda: None)
+    try:
+        colocation.set_phase_threads(1, 2)
+        assert torch.get_num_threads() == 1
+        with colocation.holding_devices(stats, engine, enabled=True):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+        with colocation.holding_devices(stats, engine, enabled=False):  # not colocated: nothing moves
+            assert torch.get_num_threads() == 1
+        with colocation.holding_devices(stats, None, enabled=True):  # no judge (rule only): nothing to take
+            assert torch.get_num_threads() == 1
+    finally:
+        colocation.set_phase_threads(0, 0)
+        torch.set_num_threads(before)
