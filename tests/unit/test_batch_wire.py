@@ -62,3 +62,23 @@ def test_concat_fills_per_sample_columns_a_part_lacked():
     both = SampleBatch.concat([a, prompts])
     assert len(both) == 5 and both.reward.shape == (5,) and both.response_len[3:].tolist() == [0, 0]
     assert both.wire() is not None
+
+
+def test_a_receive_buffer_is_taken_again_only_once_no_batch_uses_it():
+    from yatt_hpc.comm.transport import ReceiveBuffers
+
+    pool = ReceiveBuffers(keep=2, largest=1 << 20)
+    wire = column_built().select(np.arange(5)).wire()
+    first = pool.take(wire.nbytes)
+    first[:] = wire
+    got = from_wire(first)  # columns are views of the pooled buffer
+    owner = id(first.base)
+    del first
+    second = pool.take(wire.nbytes)
+    assert id(second.base) != owner  # `got` still reads that memory: a second buffer
+    assert got.sample_id.tolist() == list(range(5))
+    del got, second
+    again = pool.take(wire.nbytes - 8)
+    assert id(again.base) in (owner, id(pool._buffers[1])) and again.nbytes == wire.nbytes - 8
+    assert len(pool) == 2
+    assert pool.take(2 << 20).base is None and len(pool) == 2  # past `largest`: a buffer of its own, not kept
