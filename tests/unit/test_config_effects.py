@@ -328,6 +328,14 @@ def _prompt_batch(rows, tokenizer, n: int = 1, responses=None):
 PROBED = ("placement.mode=partial",)  # engines stay resident (colocate releases them between phases)
 
 
+def _counting(decode, sizes: list):
+    """`decode` (an engine's micro-batch call) that appends each micro-batch's size to `sizes`."""
+    def counted(requests, *args, **kwargs):
+        sizes.append(len(requests))
+        return decode(requests, *args, **kwargs)
+    return counted
+
+
 def _probe_controllers(out: str) -> None:
     """Child process (MPI not initialised): build the rollout and GenRM controllers from configs and record
     what they do. The parent's tests assert on the JSON."""
@@ -349,8 +357,7 @@ def _probe_controllers(out: str) -> None:
         cfg = _cfg(*PROBED, "rollout.max_new_tokens=3", "rollout.temperature=1.5", *sets)
         ctl = RolloutController(_fake_world(cfg, "rollout"), cfg, RankStats("rollout"), None)
         micro_batches = []
-        decode = ctl.engine._generate_batch
-        ctl.engine._generate_batch = lambda reqs, *a, **k: micro_batches.append(len(reqs)) or decode(reqs, *a, **k)
+        ctl.engine._generate_batch = _counting(ctl.engine._generate_batch, micro_batches)
         prompts = _prompt_batch(rows, tok, n=4)
         requests = ctl.requests(prompts)
         done = ctl.generate(prompts)
