@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class Section(BaseModel):
     """Base of every config section: frozen, unknown keys rejected, field docstrings kept."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # A Slurm time limit: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (the renderers in launch/ read it with this).
@@ -502,7 +502,7 @@ class PlacementConfig(Section):
 class CheckpointConfig(Section):
     """Checkpoints (safetensors for tensors, HDF5 for the rest, atomic commit)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True,
+    model_config = ConfigDict(extra="forbid", frozen=True,
                               populate_by_name=True)
 
     interval: int = Field(10, ge=0)
