@@ -5,7 +5,7 @@
     got.reward, got.values["acc"], got.rule_score, got.genrm_score, got.parse_fail
 
 Kinds (a term is any object with `name`, `kind`, `weight`, `pattern`, `function`, `batched`, as
-`config.schema.RewardTerm`):
+`config.reward.RewardTerm`):
 
     exact     verifier.rule_score: the response is the answer (after stripping whitespace)
     math      math_answer.math_score: the final answer (\\boxed{} or the last number) equals the answer
