@@ -12,13 +12,13 @@ PKG = REPO / "yatt_hpc"
 # package -> the yatt_hpc packages/modules it may import (besides itself); docs/architecture.md draws it
 ALLOWED = {
     "sched": {"placement"},
-    "comm": {"sched", "placement", "batch", "activity"},
+    "comm": {"sched", "placement", "batch", "activity", "weight_group"},
     "roles": {"comm", "sched", "batch", "activity", "ckpt", "config", "data", "errors", "placement", "reward",
               "rollout", "train", "runtime", "vision"},  # runtime: RankStats, the per-rank stats it reports to
     "runtime": {"roles", "comm", "sched", "batch", "activity", "ckpt", "config", "data", "errors", "launch",
                 "metrics", "placement"},
     "demo": set(),
-    "rollout": {"activity", "offload", "vision"},
+    "rollout": {"activity", "offload", "vision", "weight_group"},  # engines join a weight pair's group
     "train": {"activity", "batch", "config", "offload", "vision"},
     "reward": {"rollout", "data", "vision"},  # the judge runs on a rollout engine with the tokenizer data/ loads
     "data": {"config", "demo", "vision"},

@@ -39,6 +39,7 @@ TAG_WEIGHTS = 14  # trainer -> rollout: weight buckets
 TAG_COUNT = 16  # trainer -> genrm: groups to keep, then (rollout rank, samples) pairs of this wave
 TAG_STOP = 17  # genrm -> rollout: [owner] target met, drop that replica's remaining work (over-dispatch)
 TAG_END = 18  # rollout -> genrm: [owner, samples sent, samples aborted], the answer to one TAG_STOP
+TAG_WEIGHTS_DONE = 19  # rollout -> trainer: [tensors] an ipc weight bucket is copied and loaded
 
 
 def wire_parts(batch: SampleBatch) -> list[np.ndarray]:

@@ -184,6 +184,14 @@ class RolloutConfig(Section):
     """Nucleus sampling mass; only 1.0 is accepted for training rollouts (see the validator)."""
     weight_sync_bucket_mb: float = Field(64.0, gt=0)
     """Size of one trainer -> rollout weight-sync bucket in MiB."""
+    weight_transport: Literal["auto", "mpi", "collective"] = "auto"
+    """How weights travel from a trainer replica's owner to each engine. `mpi`: device -> host -> MPI bytes ->
+    host -> device. `collective`: device to device over a process group of its own per (owner, engine) pair
+    (NCCL on GPU, Gloo on CPU; SGLang's `update_weights_from_distributed`); MPI carries only the rendezvous and
+    each bucket's manifest. Refused where an engine shares a GPU with its owner (NCCL cannot hold two ranks on
+    one device) or only one side has GPUs. `auto`: on GPU with rollout.engine=sglang, collective for an engine
+    on GPUs apart from its owner's and CUDA IPC handles into SGLang's `update_weights_from_tensor` for one that
+    shares its owner's GPU; mpi on CPU or with the hf engine. `yatt-hpc plan` shows the choice per engine."""
     max_batch_size: int | None = Field(None, ge=1)
     """Requests one rollout engine decodes together: `hf` cuts its requests (shortest prompts first) into
     micro-batches of this many rows, `sglang` takes it as `max_running_requests`. null: the engine's own

@@ -168,7 +168,11 @@ def plan(cfg: RunConfig) -> Plan:
         groups.append(GroupPlan(name, gp.nodes, gp.tasks_per_node, gp.devices_per_task, gp.cpus_per_task,
                                 gp.mem, layouts[name], start, SlurmShape(kind, index)))
         start += gp.nodes * gp.tasks_per_node
-    return Plan(pc.mode, tuple(groups), dynamic_split=pc.dynamic_split.enabled, node_cpus=_node_cpus(pc, groups))
+    out = Plan(pc.mode, tuple(groups), dynamic_split=pc.dynamic_split.enabled, node_cpus=_node_cpus(pc, groups))
+    from yatt_hpc.placement.weight_transport import weight_pairs  # it builds on this module
+
+    weight_pairs(out, cfg.rollout.weight_transport, cfg.rollout.engine)  # refuses a transport that cannot work
+    return out
 
 
 def _node_cpus(pc, groups: list[GroupPlan]) -> int | None:

@@ -7,6 +7,7 @@ from rich.table import Table
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.launch.commands import local_launch, render, srun_launch
 from yatt_hpc.placement.plan import Plan
+from yatt_hpc.placement.weight_transport import weight_pairs
 
 
 def layout_text(layout: tuple[tuple[str, int], ...]) -> str:
@@ -46,10 +47,21 @@ def what_runs(cfg: RunConfig) -> list[str]:
             f"genrm: {judge}"]
 
 
+def weight_sync_text(p: Plan, cfg: RunConfig) -> str:
+    """How many engines take their weights by which transport (`placement/weight_transport.py`)."""
+    by: dict[str, list[int]] = {}
+    for pair in weight_pairs(p, cfg.rollout.weight_transport, cfg.rollout.engine).values():
+        by.setdefault(pair.transport, []).append(pair.dest)
+    parts = [f"{t} to {len(ranks)} engine{'s' if len(ranks) > 1 else ''}"
+             + (f" (ranks {', '.join(map(str, ranks))})" if len(by) > 1 and len(ranks) <= 4 else "")
+             for t, ranks in sorted(by.items())]
+    return f"weight sync (rollout.weight_transport={cfg.rollout.weight_transport}): {'; '.join(parts)}"
+
+
 def print_plan(p: Plan, run_dir: str, console: Console, python: str = "python3", cfg: RunConfig | None = None) -> None:
     console.print(plan_table(p))
     console.print("leader (decisions only): world rank 0 = trainer rank 0")
-    for line in what_runs(cfg) if cfg is not None else ():
+    for line in [*what_runs(cfg), weight_sync_text(p, cfg)] if cfg is not None else ():
         console.print(line, markup=False, highlight=False)
     if p.node_cpus is not None:
         threads = ", ".join(f"{g.name} {p.phase_threads(g.name)[1]}" for g in p.groups)

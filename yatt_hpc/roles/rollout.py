@@ -31,8 +31,9 @@ from yatt_hpc.comm.transport import (
     send_ints,
     wait_for_message,
 )
-from yatt_hpc.comm.weight_sync import recv_weights
+from yatt_hpc.comm.weight_sync import receive_weights
 from yatt_hpc.config.schema import RunConfig
+from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.base import BaseController, rank_device, rollout_engine_options
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
@@ -58,6 +59,8 @@ class RolloutController(BaseController):
         if self.colocate:
             self.engine.release_memory()  # the trainer builds first; the engine wakes for its phase
         self.stops = StopWatch(world.comm, self.engine)  # over-dispatch STOPs, whichever way it generates
+        # how this rank's weights arrive (placement/weight_transport.py); the same table as its owner's
+        self.weight_transport = weight_pairs(world.plan, cfg.rollout.weight_transport, cfg.rollout.engine)[world.rank].transport
         log.info("rollout rank ready (%s routing)", cfg.rollout.routing)
 
     @property
@@ -235,8 +238,7 @@ class RolloutController(BaseController):
         source = self.routes.trainer_owner(self.routes.weight_source_for(self.world.rank))
         wait_for_message(self.world.comm, source, TAG_WEIGHTS)  # idle until training is done
         with self.stats.phase("weight_sync"):
-            for bucket, final in recv_weights(self.world.comm, source):
-                self.engine.update_weights(bucket, final=final)
+            receive_weights(self.world.comm, source, self.engine, self.weight_transport)
 
     def close(self) -> None:
         self.engine.shutdown()

@@ -19,6 +19,8 @@ Data flow of one step (no driver; every arrow is point-to-point MPI between the 
       -> sort by sample id -> broadcast to its TP peers -> group advantages
       -> Megatron forward/backward, DP all-reduce of grads -> AdamW
       -> gather TP shards -> HF names -> buckets ---------> its rollout ranks    TAG_WEIGHTS
+         (by MPI bytes, or by broadcast over the pair's own process group, or as CUDA IPC handles:
+          rollout.weight_transport, decided per engine in placement/weight_transport.py)
 
 With dynamic sampling the replica repeats the dispatch/collect round in refill waves until it has
 k groups with reward variance (all ranks agree on each extra wave with one polled allreduce).
@@ -41,12 +43,13 @@ from yatt_hpc.ckpt import RankState, capture_rng, load_optimizer_tensors, optimi
 from yatt_hpc.comm.prompt_routing import build_router
 from yatt_hpc.comm.rebalance import Rebalancer
 from yatt_hpc.comm.transport import TAG_COUNT, TAG_PROMPTS, TAG_SCORED, bcast_batch, recv_batch, send_batch, wait_all
-from yatt_hpc.comm.weight_sync import send_weights
+from yatt_hpc.comm.weight_sync import WeightSender
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.data.consumed import ConsumedLog
 from yatt_hpc.data.prompts import build_prompt_source
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.errors import InputError
+from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.base import BaseController, rank_device
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
@@ -101,6 +104,8 @@ class TrainerController(BaseController):
         self.policy = MegatronPolicy.from_hf(cfg.model.path, self.tp_rank, tp, cfg.train,
                                              dtype=getattr(torch, cfg.model.dtype),
                                              temperature=cfg.rollout.temperature)
+        pairs = weight_pairs(world.plan, cfg.rollout.weight_transport, cfg.rollout.engine)
+        self.weights_out = WeightSender(world.comm, pairs, cfg.rollout.weight_sync_bucket_mb, device=device)
         self.colocate = world.plan.mode == "colocate"
         if self.colocate:
             self.policy.release_memory()  # rollout and GenRM take the devices first each step
@@ -282,8 +287,9 @@ class TrainerController(BaseController):
         if not targets:
             return
         dests = targets if self.is_owner else []
-        sent = send_weights(self.world.comm, dests, self.policy.hf_weights(), self.cfg.rollout.weight_sync_bucket_mb)
+        sent = self.weights_out.send(dests, self.policy.hf_weights())  # each engine by its pair's transport
         self.stats.add("weight_sync_bytes", sent.nbytes)
+        self.stats.add("weight_sync_mpi_bytes", sent.mpi_bytes)
         self.stats.values["weight_sync_buckets"] = float(sent.buckets)  # of one sync, per destination
 
     # ------------------------------------------------------------------ checkpoint hooks

@@ -8,6 +8,8 @@ Use it (any kind; the controller code does not change between them):
     results = engine.generate([GenerationRequest(sample_id=0, prompt_ids=[1, 2, 3], max_new_tokens=32)])
     engine.update_weights(bucket_0, final=False)   # buckets of (hf_name, tensor) from the trainer
     engine.update_weights(bucket_1, final=True)    # the last bucket of a version
+    engine.join_weight_group(rendezvous)           # or by broadcast over the pair's process group:
+    engine.update_weights_from_group(manifest)     # (yatt_hpc/weight_group.py), one call per bucket
     engine.shutdown()
 
 Tests: ``pytest tests/unit/test_hf_engine.py`` (CPU) and ``pytest tests/gpu/test_sglang_engine.py`` (CUDA + sglang).
@@ -27,11 +29,14 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 from typing_extensions import Self  # noqa: UP035 - typing.Self is 3.11+, setup.py allows 3.10
+
+if TYPE_CHECKING:
+    from yatt_hpc.weight_group import BucketManifest, Rendezvous
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
@@ -192,6 +197,20 @@ class BaseEngine(abc.ABC):
         A name the model does not have, or a shape that does not match, raises ``ValueError`` before
         any tensor of that bucket is loaded.
         """
+
+    def join_weight_group(self, rendezvous: Rendezvous) -> None:
+        """Join the process group of this engine and the trainer owner that sends it weights
+        (`rollout.weight_transport` collective), at ``rendezvous.rank_offset`` and the ranks after it.
+        Called once per pair, before its first ``update_weights_from_group``; blocks until the group forms."""
+        raise NotImplementedError(f"{type(self).__name__} cannot receive weights by broadcast; "
+                                  "set rollout.weight_transport=mpi")
+
+    def update_weights_from_group(self, manifest: BucketManifest, *, version: int | None = None) -> None:
+        """Receive one bucket by broadcast from rank 0 of the manifest's group (one tensor per name, in
+        order) and load it as ``update_weights`` would, ``final`` and version bookkeeping included.
+        A name or shape the model does not have raises ``ValueError`` before any tensor is loaded."""
+        raise NotImplementedError(f"{type(self).__name__} cannot receive weights by broadcast; "
+                                  "set rollout.weight_transport=mpi")
 
     @property
     @abc.abstractmethod

@@ -53,6 +53,7 @@ from yatt_hpc.rollout.engine import (
     validate_bucket,
 )
 from yatt_hpc.vision.processor import ImageProcessor, decode_rgb, is_vision_model
+from yatt_hpc.weight_group import BucketManifest, PairGroup, Rendezvous
 
 
 def sample_next_tokens(
@@ -138,6 +139,7 @@ class HFEngine(BaseEngine):
         self._lock = threading.Lock()
         self._in_flight = False
         self._abort = threading.Event()
+        self._groups: dict[str, PairGroup] = {}  # weight groups joined, by name (one per sending owner)
 
     # -- generation ---------------------------------------------------------------------------------
 
@@ -303,6 +305,25 @@ class HFEngine(BaseEngine):
         if final:
             self._version = self._version + 1 if version is None else int(version)
             self._mid_update = False
+
+    def join_weight_group(self, rendezvous: Rendezvous) -> None:
+        """Join the pair's group as its one engine rank (Gloo on CPU, NCCL on this engine's GPU)."""
+        self._check_alive()
+        if rendezvous.world_size != rendezvous.rank_offset + 1:
+            raise ValueError(f"engine 'hf' is one rank, but the weight group {rendezvous.group_name} expects "
+                             f"{rendezvous.world_size - rendezvous.rank_offset}")
+        self._groups[rendezvous.group_name] = PairGroup.connect(rendezvous, rendezvous.rank_offset)
+
+    def update_weights_from_group(self, manifest: BucketManifest, *, version: int | None = None) -> None:
+        """Check the manifest, receive the bucket into fresh tensors on this engine's device, load it."""
+        self._check_alive()
+        if manifest.group_name not in self._groups:
+            raise RuntimeError(f"update_weights_from_group: no weight group {manifest.group_name!r} joined; "
+                               "join_weight_group comes first")
+        validate_bucket([(self._memory_name(n), t) for n, t in manifest.placeholders()], self._state_shapes)
+        tensors = manifest.empty(self._device)
+        self._groups[manifest.group_name].broadcast(tensors)
+        self.update_weights(zip(manifest.names, tensors), final=manifest.final, version=version)
 
     def _memory_name(self, name: str) -> str:
         """A checkpoint name (what trainers send and SGLang loads) as this model's state-dict name:

@@ -18,10 +18,12 @@ How the contract maps onto SGLang (source read: sglang/srt/entrypoints/engine.py
 * ``abort`` schedules ``tokenizer_manager.abort_request(abort_all=True)`` on the engine's event loop from
   the calling thread (``generate`` blocks in ``loop.run_until_complete``); aborted requests come back
   with finish reason ``abort`` and their tokens so far.
-* ``update_weights`` -> ``update_weights_from_tensor(bucket, flush_cache=final)``: the radix cache is
-  flushed once per version, not per bucket. Names and shapes are checked first against the checkpoint's
-  safetensors headers (SGLang's loaders take checkpoint names). For tied embeddings SGLang skips
-  ``lm_head.weight``: send the embedding, as ``save_pretrained`` and Megatron-to-HF converters do.
+* ``update_weights`` -> ``update_weights_from_tensor(bucket, flush_cache=final)``; ``join_weight_group`` and
+  ``update_weights_from_group`` -> ``init_weights_update_group`` and ``update_weights_from_distributed``
+  (the trainer owner broadcasts each bucket device to device). All in ``sglang_weights.SGLangWeights``:
+  the radix cache is flushed once per version, names and shapes are checked first against the
+  checkpoint's safetensors headers. For tied embeddings SGLang skips ``lm_head.weight``: send the
+  embedding, as ``save_pretrained`` and Megatron-to-HF converters do.
 * ``release_memory`` releases weights, KV cache and CUDA graphs (``enable_memory_saver=True``);
   ``resume_memory`` takes the weights back first, then KV cache and CUDA graphs, so the peak is weights
   + cache. An ``update_weights`` while released resumes just the weights before loading into them.
@@ -47,12 +49,9 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from yatt_hpc.rollout.engine import (
-    BaseEngine,
-    GenerationRequest,
-    GenerationResult,
-    validate_bucket,
-)
+from yatt_hpc.rollout.engine import BaseEngine, GenerationRequest, GenerationResult
+from yatt_hpc.rollout.sglang_weights import SGLangWeights
+from yatt_hpc.weight_group import BucketManifest, Rendezvous
 
 _INSTALL_HINT = (
     "engine 'sglang' needs SGLang on a CUDA machine: install the GPU extra with "
@@ -174,9 +173,8 @@ class SGLangEngine(BaseEngine):
         self._engine = sglang.Engine(**kwargs)
         self._device = torch.device("cuda", target.index or 0)
         drop_sigterm_drain(self._engine)
-        self._version = 0
-        self._mid_update = False
         self._released: set[str] = set()
+        self._weights = SGLangWeights(self._engine, self._shapes, self._device, before_load=self._resume_weights)
         self._lock = threading.Lock()
         self._in_flight = False
 
@@ -201,7 +199,7 @@ class SGLangEngine(BaseEngine):
         finally:
             with self._lock:
                 self._in_flight = False
-        results = [result_from_sglang_output(r, out, self._version) for r, out in zip(requests, outputs)]
+        results = [result_from_sglang_output(r, out, self._weights.version) for r, out in zip(requests, outputs)]
         for result in results if on_result is not None else ():
             on_result(result)
         return results
@@ -224,30 +222,28 @@ class SGLangEngine(BaseEngine):
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, final: bool, version: int | None = None
     ) -> None:
         self._check_alive()
-        bucket = list(named_tensors)
-        validate_bucket(bucket, self._shapes)
-        if _WEIGHTS in self._released:
-            self._resume([_WEIGHTS])
-        self._mid_update = True
-        if bucket:
-            # On the engine's device the bucket travels to SGLang's scheduler as CUDA IPC handles
-            # (torch's multiprocessing reductions): device to device, no pickled host bytes.
-            bucket = [(name, t.to(self._device, non_blocking=True)) for name, t in bucket]
-            torch.cuda.synchronize(self._device)
-            success, message = self._engine.update_weights_from_tensor(
-                named_tensors=bucket, load_format=None, flush_cache=final
-            )
-            if not success:
-                raise RuntimeError(f"SGLang update_weights_from_tensor failed: {message}")
-        elif final:
-            self._engine.flush_cache()  # an empty final bucket still ends the version: drop stale prefixes
-        if final:
-            self._version = self._version + 1 if version is None else int(version)
-            self._mid_update = False
+        self._weights.load_tensors(list(named_tensors), final=final, version=version)
+
+    def join_weight_group(self, rendezvous: Rendezvous) -> None:
+        self._check_alive()
+        self._weights.join_group(rendezvous)
+
+    def update_weights_from_group(self, manifest: BucketManifest, *, version: int | None = None) -> None:
+        self._check_alive()
+        self._weights.load_from_group(manifest, version=version)
 
     @property
     def weight_version(self) -> int:
-        return self._version
+        return self._weights.version
+
+    @property
+    def _mid_update(self) -> bool:
+        return self._weights.mid_update
+
+    def _resume_weights(self) -> None:
+        """An update while released resumes just the weights before loading into them."""
+        if _WEIGHTS in self._released:
+            self._resume([_WEIGHTS])
 
     # -- memory and lifecycle -----------------------------------------------------------------------
 

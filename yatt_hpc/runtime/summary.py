@@ -59,6 +59,8 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         "rollout/prompt_messages": _sum(reports, "prompt_messages", "rollout"),
         "rollout/stream_inflight_max": _max_value(reports, "stream_inflight_max", default=0.0, group="rollout"),
         "weight_sync/buckets": _max_value(reports, "weight_sync_buckets", default=0.0),
+        "weight_sync/bytes": _sum(reports, "weight_sync_bytes"),
+        "weight_sync/mpi_bytes": _sum(reports, "weight_sync_mpi_bytes"),
         "sampling/valid_group_ratio": _sum(reports, "groups_valid") / max(_sum(reports, "groups_total"), 1.0),
         "sampling/waves": _max_value(reports, "waves", default=1.0),
         "sampling/ema_expansion": _max_value(reports, "ema_expansion", default=1.0),
