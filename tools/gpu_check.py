@@ -11,7 +11,12 @@ ranks on one device, full colocation), so every engine runs inside the MPI world
   hf-fp32        the demo loop, fp32, hf engine: rollout/trainer logprobs agree (< 1e-4)
   bf16-train     model.dtype=bfloat16: bf16 Megatron with fp32 masters, bf16 hf engines, weight sync in bf16
   sglang-world   rollout and GenRM on SGLang inside the MPI world, bf16: generate, release/resume every
-                 step (colocate), weight sync (logprob gap), GenRM verdicts parse
+                 step (colocate), weight sync by MPI bytes (logprob gap), GenRM verdicts parse
+  sglang-ipc     the same with rollout.weight_transport=auto: trainer and engine share the GPU, so weights
+                 go as CUDA IPC handles into update_weights_from_tensor (logprob gap; MPI carried no tensor)
+  sglang-collective  2 GPUs (SKIP with fewer): partial, trainer tp2 on GPUs 0-1, two SGLang rollout engines
+                 on GPUs 0 and 1: auto sends GPU 1's by NCCL broadcast (init_weights_update_group,
+                 update_weights_from_distributed) and GPU 0's by CUDA IPC (logprob gap; MPI carried no tensor)
   sglang-abort   the same with over-dispatch: the engine's abort cuts stragglers (rollout/aborted > 0)
   sglang-sigterm SIGTERM mid-run on the SGLang run: the ranks still agree, save and exit 0 with a checkpoint
 """
@@ -32,6 +37,12 @@ PY = sys.executable
 BASE = ["--set", "logging.progress=false", "--set", "checkpoint.interval=2"]
 CONFIG = "configs/demo_1gpu.yaml"
 SGLANG = ["--set", "rollout.engine=sglang", "--set", "model.dtype=bfloat16"]
+MPI_WEIGHTS = ["--set", "rollout.weight_transport=mpi"]  # auto would take CUDA IPC on one shared GPU
+# two engines on GPUs 0 and 1 whose owner (trainer tp2, rank 0) is on GPU 0: one ipc pair, one collective pair
+TWO_GPUS = ["--set", "placement.mode=partial", "--set", "placement.trainer.tasks_per_node=2",
+            "--set", "placement.trainer.tp=2", "--set", "placement.trainer.dp=null",
+            "--set", "placement.rollout.tasks_per_node=2", "--set", "placement.genrm.devices_per_task=0",
+            "--set", "reward.mode=rule_only"]
 
 
 def line(name: str, verdict: str, detail: str) -> bool:
@@ -90,6 +101,23 @@ def check_demo(out: Path, name: str, extra: list[str], gap: float, steps: int = 
                 f"step time {rows[-1]['time/step']:.2f}s")
 
 
+def check_transport(out: Path, name: str, extra: list[str], gpus: int = 1, steps: int = 4) -> bool:
+    """A demo run whose weights must not cross MPI as bytes: logprob gap as sglang-world, and MPI carried
+    at most a tenth of the weight bytes (handles, manifests, rendezvous)."""
+    import torch
+
+    if torch.cuda.device_count() < gpus:
+        return line(name, "SKIP", f"needs {gpus} GPUs, this machine has {torch.cuda.device_count()}")
+    code, rows = run(out, name, steps, extra, timeout=300)
+    if code != 0 or len(rows) != steps:
+        return line(name, "FAIL", f"exit {code}, {len(rows)}/{steps} steps: {tail(out, name)}")
+    worst = max(r["train/rollout_logp_diff_max"] for r in rows)
+    moved, over_mpi = rows[-1]["weight_sync/bytes"], max(r["weight_sync/mpi_bytes"] for r in rows)
+    ok = worst < 0.5 and 0 < over_mpi < moved / 10 and all(r["train/grad_norm"] > 0 for r in rows)
+    return line(name, "PASS" if ok else "FAIL", f"{steps} steps, logp gap max {worst:.2e} (bound 0.5), weight bytes "
+                f"{moved:.0f} per sync, over MPI at most {over_mpi:.0f}, sync {rows[-1]['time/weight_sync']:.3f}s")
+
+
 def check_abort(out: Path) -> bool:
     name = "sglang-abort"
     code, rows = run(out, name, 4, SGLANG + ["--set", "rollout.over_dispatch_ratio=1.5"], timeout=240)
@@ -135,7 +163,9 @@ def main() -> int:
     checks = {"gpu-tests": lambda: check_gpu_tests(out),
               "hf-fp32": lambda: check_demo(out, "hf-fp32", [], gap=1e-4),
               "bf16-train": lambda: check_demo(out, "bf16-train", ["--set", "model.dtype=bfloat16"], gap=0.5),
-              "sglang-world": lambda: check_demo(out, "sglang-world", SGLANG, gap=0.5),
+              "sglang-world": lambda: check_demo(out, "sglang-world", SGLANG + MPI_WEIGHTS, gap=0.5),
+              "sglang-ipc": lambda: check_transport(out, "sglang-ipc", SGLANG),
+              "sglang-collective": lambda: check_transport(out, "sglang-collective", SGLANG + TWO_GPUS, gpus=2),
               "sglang-abort": lambda: check_abort(out),
               "sglang-sigterm": lambda: check_sigterm(out)}
     chosen = [c for c in args.only.split(",") if c] or list(checks)

@@ -16,7 +16,7 @@ from tests.conftest import PYTHON, REPO, mpi_env
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(torch.uint8)
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def test_collective_pairs_deliver_fp32_and_bf16_bitwise_twice_over_one_group_each(mpirun, tmp_path):

@@ -76,6 +76,14 @@ class SpawningEngine(BaseEngine):
         self._check_child()
         self.inner.update_weights(named_tensors, final=final, version=version)
 
+    def join_weight_group(self, rendezvous) -> None:
+        self._check_child()
+        self.inner.join_weight_group(rendezvous)
+
+    def update_weights_from_group(self, manifest, *, version: int | None = None) -> None:
+        self._check_child()
+        self.inner.update_weights_from_group(manifest, version=version)
+
     @property
     def weight_version(self) -> int:
         return self.inner.weight_version

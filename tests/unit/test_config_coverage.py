@@ -75,6 +75,8 @@ EFFECT: dict[str, str] = {
     "rollout.temperature": "tests/mpi/test_grpo_run.py::test_sampling_temperature_is_the_temperature_the_trainer_scores_at",
     "rollout.top_p": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",  # only 1.0 is accepted
     "rollout.weight_sync_bucket_mb": f"{RUN}::test_weight_sync_bucket_mb_sets_the_buckets_of_a_sync",
+    "rollout.weight_transport": "tests/mpi/test_placement_modes.py::"
+                                "test_collective_weight_transport_trains_exactly_as_mpi_and_moves_no_tensor_over_mpi",
     "rollout.stream_queue": f"{RUN}::test_stream_queue_bounds_the_sends_in_flight_to_genrm",
     "rollout.max_batch_size": f"{EFFECTS}::test_max_batch_size_cuts_the_engines_decode_batches_and_not_the_samples",
     "rollout.routing": f"{RUN}::test_routing_least_loaded_sends_every_replica_to_every_rollout_rank",
@@ -186,6 +188,8 @@ REFUSED: dict[str, str] = {
     "rollout.over_dispatch_ratio": "tests/unit/test_overdispatch.py::"
                                    "test_over_dispatch_ratio_out_of_range_names_field_and_value",
     "rollout.routing": "tests/unit/test_overdispatch.py::test_routing_knob_lists_its_choices",
+    "rollout.weight_transport": "tests/unit/test_weight_transport.py::"
+                                "test_collective_is_refused_before_launch_where_it_cannot_work",
     "placement.mode": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
     "placement.trainer.tp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",
     "placement.trainer.dp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",

@@ -32,7 +32,9 @@ Point-to-point traffic of a wave (tags in `comm/transport.py`), around those gat
     rollout        <- TAG_PROMPTS, generate, TAG_SAMPLES -> GenRM (colocate: all before `gate generated`);
                    over-dispatch: <- TAG_STOP, TAG_END -> GenRM, all before `gate scored`
     genrm          <- TAG_COUNT, <- TAG_SAMPLES, [TAG_STOP ->, <- TAG_END], TAG_SCORED -> owner
-    after the waves the trainers send TAG_WEIGHTS to the rollout ranks that generate next (no agreement)
+    after the waves the trainers send TAG_WEIGHTS to the rollout ranks that generate next (no agreement);
+                   by transport (comm/weight_sync.py): bytes, or manifests beside a pair group's broadcasts,
+                   or CUDA IPC handles each answered by TAG_WEIGHTS_DONE
 
 A rank that took another sequence would deadlock in MPI. With `check` on (the tests set
 YATT_PROTOCOL_CHECK=1, like torch's TORCH_DISTRIBUTED_DEBUG), every rank first compares its next
