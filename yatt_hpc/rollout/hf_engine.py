@@ -1,7 +1,8 @@
 """transformers-backed rollout engine: CPU, or one GPU; the engine every CPU test and demo uses.
 
 Run it:    build_engine("hf", model_dir, device="cpu", tp_size=1, seed=0)   (see engine.py)
-Test it:   .venv/bin/python -m pytest tests/unit/test_hf_engine.py
+Test it:   .venv/bin/python -m pytest tests/unit/test_hf_engine.py   (weights by broadcast, real Gloo groups:
+           tests/mpi/test_weight_collective.py)
 Measure:   .venv/bin/python bench/bench_hf_engine.py
 
 Design choices (``bench/bench_hf_engine.py --threads 1`` on the 2-core build machine; 32 requests x 32
