@@ -171,3 +171,21 @@ def test_no_two_ranks_of_a_group_share_a_device_on_a_node(name):
                 seen[(node, d)] = r
                 assert d < p.group("trainer").tasks_per_node * max(1, p.group("trainer").devices_per_task) \
                     or p.mode == "disjoint", (name, g.name, r, d)
+
+
+@pytest.mark.parametrize(("name", "refused"), [
+    pytest.param("demo_cpu.yaml", False, id="cpu-one-node"),
+    pytest.param("disjoint_cpu.yaml", False, id="cpu-disjoint-runs-on-one-host"),
+    pytest.param("demo_1gpu.yaml", False, id="gpu-one-node"),
+    pytest.param("partial_gpu.yaml", True, id="gpu-two-nodes"),
+    pytest.param("qwen2_7b_disjoint_1024gpu.yaml", True, id="gpu-disjoint"),
+])
+def test_a_local_run_refuses_gpu_plans_that_span_nodes(name, refused):
+    from yatt_hpc.launch.local import LaunchError, check_one_host
+
+    p = plan(cfg(name))
+    if not refused:
+        check_one_host(p)
+        return
+    with pytest.raises(LaunchError, match=rf"spans {p.total_nodes} nodes .*same GPU indices.*yatt-hpc submit"):
+        check_one_host(p)

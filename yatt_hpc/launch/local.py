@@ -50,7 +50,20 @@ def launch_env(environ: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def check_one_host(plan: Plan) -> None:
+    """Refuse a GPU plan that spans nodes: mpirun puts every rank on this host, where each node's ranks
+    count their GPUs from 0 (`Plan.device_ids`), so ranks meant for other nodes would share devices
+    (and a collective weight group would hold two ranks on one GPU)."""
+    if plan.total_nodes > 1 and any(g.devices_per_task for g in plan.groups):
+        raise LaunchError(f"this plan spans {plan.total_nodes} nodes (placement.mode={plan.mode}) with GPUs, but a "
+                          "local run starts every rank on this host, where ranks of different nodes would drive the "
+                          "same GPU indices; submit it (`yatt-hpc submit`) or run it inside a Slurm allocation of "
+                          "that many nodes, or for one node set every group's `nodes: 1` (placement.mode=colocate or "
+                          "partial share the node's GPUs in turn)")
+
+
 def launch_argv(plan: Plan, run_dir: Path, environ: dict[str, str]) -> list[str]:
+    check_one_host(plan)
     mpirun = shutil.which("mpirun")
     if not mpirun:
         raise LaunchError("mpirun not found on PATH; install Open MPI (`make system-deps` or "
