@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.conftest import REPO, final_state, kill_tree, mpi_env
+from tests.conftest import REPO, final_state, full_matrix_only, kill_tree, mpi_env
 
 CONFIG = str(REPO / "configs/demo_cpu.yaml")
 K = 8
@@ -67,7 +67,10 @@ def assert_same(a, b, prompts: int = K * 8):
     assert len(positions) == len(set(positions)) == prompts, "a prompt was lost or repeated"
 
 
-@pytest.mark.parametrize("how", ["term", "kill"])
+# `make test` runs the SIGTERM case; SIGKILL of every rank runs with YATT_FULL_FAULT_MATRIX=1: a rerun after
+# an abort of every rank ends bitwise where the reference does in tests/mpi/test_faults.py (the stopped rank),
+# and a write torn by SIGKILL is skipped and cleaned in tests/unit/test_ckpt_crash.py.
+@pytest.mark.parametrize("how", ["term", pytest.param("kill", marks=full_matrix_only)])
 def test_interrupted_run_resumes_bitwise_identical(straight, tmp_path, how):
     run_dir = tmp_path / "run"
     seed = random.randrange(2**32)

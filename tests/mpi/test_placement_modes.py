@@ -81,39 +81,28 @@ DEMO_MODELS = {"policy": "models/demo/policy", "judge": "models/demo/judge"}  # 
 
 
 @pytest.fixture(scope="module")
-def partial_runs(mpirun, tmp_path_factory):
-    """The partial-mode run of the demo models twice, alike but for how weights travel: MPI bytes (the
-    default on CPU), and rollout.weight_transport=collective (broadcast over each trainer owner's Gloo
-    group with its engine)."""
-    runs = {}
-    for transport in ("mpi", "collective"):
-        run_dir = tmp_path_factory.mktemp(f"partial-{transport}")
-        proc = run_mode(run_dir, DEMO_MODELS, "partial", ("--set", f"rollout.weight_transport={transport}"))
-        assert proc.returncode == 0, f"{transport}: " + proc.stderr[-3000:]
-        runs[transport] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        runs[f"{transport}-dir"] = run_dir
-    return runs
+def partial_run(mpirun, tmp_path_factory):
+    """The partial-mode run of the demo models with rollout.weight_transport=collective: weights go by
+    broadcast over each trainer owner's Gloo group with its engine (MPI transport in partial mode is the
+    over-dispatch and config-effects runs'; bitwise delivery over the group is tests/mpi/test_weight_collective.py's)."""
+    run_dir = tmp_path_factory.mktemp("partial-collective")
+    proc = run_mode(run_dir, DEMO_MODELS, "partial", ("--set", "rollout.weight_transport=collective"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
 
 
-def test_partial_runs_and_scores_every_sample_once(partial_runs):
-    assert_mode(partial_runs["mpi-dir"], "partial", 2)
+def test_partial_runs_and_scores_every_sample_once(partial_run):
+    assert_mode(partial_run, "partial", 2)
 
 
-def test_collective_weight_transport_trains_exactly_as_mpi_and_moves_no_tensor_over_mpi(partial_runs):
-    # the engine serves exactly the trainer's weights (logprob gap, checked every step) ...
-    assert_mode(partial_runs["collective-dir"], "partial", 2)
-    mpi, collective = partial_runs["mpi"], partial_runs["collective"]
-    assert all(r["train/grad_norm"] > 0 for r in mpi), "the weights must move between syncs for this to show anything"
-    assert any(r["reward/mean"] > 0 for r in mpi)
-    # ... bit for bit the ones MPI delivers: the same samples, rewards and updates, step by step
-    for a, b in zip(mpi, collective, strict=True):
-        for key in ("reward/mean", "reward/accuracy", "train/loss", "train/grad_norm", "train/kl",
-                    "train/rollout_logp_diff_max", "rollout/response_len_mean", "weight_sync/bytes",
-                    "weight_sync/buckets"):
-            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+def test_collective_weight_transport_serves_the_trainers_weights_and_moves_no_tensor_over_mpi(partial_run):
+    rows = [json.loads(line) for line in (partial_run / "metrics.jsonl").read_text().splitlines()]
+    # the weights move between syncs (the demo models learn), and the engine samples with exactly the
+    # trainer's (assert_mode: logprob gap < 1e-4 every step; a receiver that drops the tensors gives 0.7)
+    assert all(r["train/grad_norm"] > 0 for r in rows) and any(r["reward/mean"] > 0 for r in rows), rows
+    for r in rows:
         # the tensors went by broadcast: MPI carried the manifests (and the first time the rendezvous)
-        assert b["weight_sync/bytes"] > 0 and b["weight_sync/mpi_bytes"] < b["weight_sync/bytes"] / 20, b
-        assert a["weight_sync/mpi_bytes"] > a["weight_sync/bytes"], a  # bytes, envelopes and manifests
+        assert r["weight_sync/bytes"] > 0 and r["weight_sync/mpi_bytes"] < r["weight_sync/bytes"] / 20, r
 
 
 @pytest.fixture(scope="module")

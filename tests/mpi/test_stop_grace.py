@@ -20,7 +20,7 @@ from datetime import datetime
 
 import pytest
 
-from tests.conftest import REPO, final_state, kill_leftovers, leftover_pids, mpi_env, wait_for_log_line
+from tests.conftest import REPO, final_state, full_matrix_only, kill_leftovers, leftover_pids, mpi_env, wait_for_log_line
 from tests.mpi.test_exact_resume import assert_same, finished_steps
 from tests.mpi.test_overdispatch_run import assert_every_position_consumed_once_or_queued
 from yatt_hpc.ckpt.state import read_shared
@@ -108,6 +108,7 @@ def test_signal_in_a_long_step_commits_the_last_step_within_the_grace_and_resume
           f"grace {GRACE}s; uninterrupted steps {', '.join(f'{s:.1f}' for s in step_s)}s")
 
 
+@full_matrix_only  # the give-up above in another placement; a split's resume is test_dynamic_split.py's
 def test_a_given_up_partial_step_with_split_and_over_dispatch_loses_no_prompt(mpirun, run_dir):
     decided, committed, exited, _ = interrupt_in_step_2(run_dir, PARTIAL)
     _, shared = read_shared(run_dir / "checkpoints" / "step-1" / "state.h5")

@@ -126,6 +126,7 @@ def test_sigkilled_job_resumes_from_periodic_checkpoint_after_resubmission(slurm
     assert_same_weights(checkpoint_weights(run_dir, STEPS), uninterrupted)
 
 
+@full_matrix_only  # the give-up of tests/mpi/test_stop_grace.py, triggered by Slurm's requeue
 def test_requeue_during_a_long_step_gives_it_up_within_the_grace(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     sub = submit(run_dir, "train.steps=3", "train.prompts_per_step=64", "rollout.samples_per_prompt=16",

@@ -76,7 +76,7 @@ EFFECT: dict[str, str] = {
     "rollout.top_p": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",  # only 1.0 is accepted
     "rollout.weight_sync_bucket_mb": f"{RUN}::test_weight_sync_bucket_mb_sets_the_buckets_of_a_sync",
     "rollout.weight_transport": "tests/mpi/test_placement_modes.py::"
-                                "test_collective_weight_transport_trains_exactly_as_mpi_and_moves_no_tensor_over_mpi",
+                                "test_collective_weight_transport_serves_the_trainers_weights_and_moves_no_tensor_over_mpi",
     "rollout.stream_queue": f"{RUN}::test_stream_queue_bounds_the_sends_in_flight_to_genrm",
     "rollout.max_batch_size": f"{EFFECTS}::test_max_batch_size_cuts_the_engines_decode_batches_and_not_the_samples",
     "rollout.routing": f"{RUN}::test_routing_least_loaded_sends_every_replica_to_every_rollout_rank",
