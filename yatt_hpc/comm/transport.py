@@ -281,11 +281,11 @@ def agree_more(comm, mine: bool, poll_s: float = 0.002) -> bool:
 
 SPIN_S = 0.0002
 """How long a wait probes without sleeping before it starts to sleep. A stream's next batch is
-usually closer than this (the sender's Python between two sends is ~10 us), and a sleep costs more
-than the spin: a 50 us `time.sleep` wakes ~100 us later. Bounded so that spinning never takes the
-core from a working rank for long (module docstring): each wait spins at most once, so a rank that
-waits seconds sleeps all but SPIN_S of it, and a rank fed a stream spends at most SPIN_S of CPU per
-message on it (2% of a core at 100 batches/s)."""
+usually closer than this (in B5 it came 20-30 us after the receiver started to wait), and a sleep
+costs more than the spin: `time.sleep(50e-6)` returns after ~110 us here. Bounded so that spinning
+never takes the core from a working rank for long (module docstring): each wait spins at most once,
+so a rank that waits seconds sleeps all but SPIN_S of it, and a rank fed a stream spends at most
+SPIN_S of CPU per message on it (2% of a core at 100 batches/s)."""
 
 
 def wait_for_message(comm, source: int, tag: int, status=None, poll_s: float = 0.002, spin_s: float = SPIN_S) -> None:
