@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
+from operator import is_
 
 import numpy as np
 
@@ -80,7 +81,7 @@ class SampleBatch:
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, f.name).nbytes for f in fields(self))
+        return sum(col.nbytes for col in map(self.__dict__.__getitem__, COLUMNS))
 
     def ragged(self, name: str) -> list[np.ndarray]:
         """Split a flat ragged column (`prompt_tokens`, `response_tokens`, `logprobs`, `answer`) per sample."""
@@ -112,9 +113,8 @@ class SampleBatch:
         if self._wire is None:
             return None
         buffer, backed = self._wire
-        if any(getattr(self, name) is not col for name, col in zip(WIRE_ORDER, backed)):
-            return None
-        return buffer
+        # identity, not equality: runs once per message sent (B5), so no getattr per column
+        return buffer if all(map(is_, map(self.__dict__.__getitem__, WIRE_ORDER), backed)) else None
 
     @staticmethod
     def packed(**columns: np.ndarray) -> SampleBatch:
@@ -190,17 +190,28 @@ def _layout(n: int, sizes: dict[str, int]) -> tuple[np.ndarray, dict[str, np.nda
     return buffer, _views(buffer, counts)
 
 
-_ITEMSIZES = [DTYPES[c].itemsize for c in WIRE_ORDER]
-_WIRE_DTYPES = [DTYPES[c] for c in WIRE_ORDER]
+_TYPES = sorted({DTYPES[c] for c in WIRE_ORDER}, key=str)
+_SLOTS = [(c, _TYPES.index(DTYPES[c]), DTYPES[c].itemsize) for c in WIRE_ORDER]
+"""Per column in WIRE_ORDER: its name, its dtype's place in _TYPES and its item size."""
 
 
-def _views(buffer: np.ndarray, counts) -> dict[str, np.ndarray]:
+def typed_views(buffer: np.ndarray) -> list[np.ndarray]:
+    """`buffer` (uint8) seen as every wire dtype, as far as whole items fit: `from_wire` slices the
+    columns out of these. A receiver that reuses its buffer keeps them with it and passes them."""
+    n = buffer.nbytes
+    return [buffer[:n - n % t.itemsize].view(t) for t in _TYPES]
+
+
+def _views(buffer: np.ndarray, counts, typed: list[np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Every column as a view into `buffer`: one slice of a typed view per column (each column starts
+    at a multiple of its item size: widest first, after an int64 header). Runs once per received
+    message (B5), so no other Python object per column."""
+    typed = typed_views(buffer) if typed is None else typed
     views, offset = {}, 8 * HEADER_WORDS
-    for name, dtype, itemsize, count in zip(WIRE_ORDER, _WIRE_DTYPES, _ITEMSIZES, counts.tolist()
-                                            if isinstance(counts, np.ndarray) else counts):
-        end = offset + count * itemsize
-        views[name] = buffer[offset:end].view(dtype)
-        offset = end
+    for (name, t, itemsize), count in zip(_SLOTS, counts):
+        first = offset // itemsize
+        views[name] = typed[t][first:first + count]
+        offset += count * itemsize
     return views
 
 
@@ -210,14 +221,15 @@ def _adopt(buffer: np.ndarray, views: dict[str, np.ndarray]) -> SampleBatch:
     once per received message."""
     batch = object.__new__(SampleBatch)
     batch.__dict__.update(views)
-    batch._wire = (buffer, tuple(views[c] for c in WIRE_ORDER))
+    batch._wire = (buffer, tuple(views.values()))  # `_views` made them in WIRE_ORDER
     return batch
 
 
-def from_wire(buffer: np.ndarray) -> SampleBatch:
-    """The batch a wire buffer holds (what `wire()` returned on the sender); columns are views, no copy."""
+def from_wire(buffer: np.ndarray, typed: list[np.ndarray] | None = None) -> SampleBatch:
+    """The batch a wire buffer holds (what `wire()` returned on the sender); columns are views, no copy.
+    `typed`: `typed_views` of `buffer` or of the larger buffer it starts (a pooled receive buffer)."""
     header = np.frombuffer(buffer, dtype=np.int64, count=HEADER_WORDS)
-    return _adopt(buffer, _views(buffer, header[1:]))
+    return _adopt(buffer, _views(buffer, header[1:].tolist(), typed))
 
 
 def _filled(batch: SampleBatch) -> SampleBatch:

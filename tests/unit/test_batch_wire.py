@@ -82,3 +82,21 @@ def test_a_receive_buffer_is_taken_again_only_once_no_batch_uses_it():
     assert id(again.base) in (owner, id(pool._buffers[1])) and again.nbytes == wire.nbytes - 8
     assert len(pool) == 2
     assert pool.take(2 << 20).base is None and len(pool) == 2  # past `largest`: a buffer of its own, not kept
+
+
+def test_a_pooled_buffer_comes_with_typed_views_that_give_the_same_batch():
+    from yatt_hpc.comm.transport import ReceiveBuffers
+
+    pool = ReceiveBuffers(keep=1, largest=1 << 20)
+    wire = column_built().select(np.arange(5)).wire()
+    buffer, typed = pool.take_typed(wire.nbytes + 64)  # a bigger message first: the buffer outlives it
+    del buffer
+    buffer, again = pool.take_typed(wire.nbytes)
+    assert again is typed and buffer.nbytes == wire.nbytes
+    buffer[:] = wire
+    got = from_wire(buffer, typed)
+    same(got, from_wire(wire.copy()))
+    assert all(getattr(got, c).size == 0 or np.shares_memory(getattr(got, c), buffer) for c in COLUMNS)
+    assert pool.take_typed(wire.nbytes)[1] is None, "in use by `got`, and the pool keeps one: a buffer of its own"
+    del got, buffer
+    assert pool.take_typed(wire.nbytes)[1] is typed, "free again once no column refers to it"

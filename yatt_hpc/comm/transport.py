@@ -6,14 +6,17 @@
 A `SampleBatch` (`yatt_hpc/batch.py`) is columnar: fixed-schema numpy arrays, ragged token columns
 stored flat with a per-sample length column. On the wire a batch is ONE message of raw bytes: an int64
 header (sample count + element count of every column) followed by the columns, the layout of
-`batch.wire()`; the receiver probes for its size, receives it into one buffer and takes zero-copy
-column views (`batch.from_wire`). A batch made by `select`/`concat`/`packed` (every batch the
-controllers send) already lies in that layout, so it is sent as one contiguous buffer with no copy;
-any other batch is read in place through an MPI datatype over its columns' addresses (`gather_type`).
+`batch.wire()`; the receiver takes it with one matched probe (`Improbe`: the message and its size),
+receives it into a reused buffer (`ReceiveBuffers`) and takes zero-copy column views
+(`batch.from_wire`, one slice per column). A batch made by `select`/`concat`/`packed` (every batch
+the controllers send) already lies in that layout, so it is sent as one contiguous buffer with no
+copy; any other batch is read in place through an MPI datatype over its columns' addresses
+(`gather_type`). B5 (bench/wire_throughput.py) measures this path against raw Send/Recv.
 
-Receiving polls with `Iprobe` and a short sleep instead of blocking: with more controller ranks
-than cores, a blocked Open MPI receive spins and steals the CPU the working rank needs. While a rank
-waits here it is marked as waiting on peers (`activity.ACTIVITY`), which the health monitor reads.
+Receiving probes without sleeping for at most `SPIN_S` (0.2 ms: a stream's next batch is usually
+closer), then polls with sleeps instead of blocking: with more controller ranks than cores, a blocked
+Open MPI receive spins and steals the CPU the working rank needs. While a rank sleeps here it is
+marked as waiting on peers (`activity.ACTIVITY`), which the health monitor reads.
 The world-wide agreements of a step are not here: `roles/protocol.py` owns them.
 """
 from __future__ import annotations
@@ -28,8 +31,8 @@ from mpi4py import MPI
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.batch import COLUMNS as _COLUMNS
 from yatt_hpc.batch import DTYPES as _DTYPES
+from yatt_hpc.batch import HEADER_WORDS, SampleBatch, from_wire, typed_views
 from yatt_hpc.batch import WIRE_ORDER as _WIRE_ORDER
-from yatt_hpc.batch import SampleBatch, from_wire
 
 # message tags of the inter-group protocol
 TAG_PROMPTS = 11  # trainer -> rollout: prompts to sample
@@ -76,9 +79,10 @@ class WireLedger:
     def __init__(self) -> None:
         self.messages = self.batch_bytes = self.image_bytes = 0
 
-    def count(self, batch: SampleBatch) -> None:
+    def count(self, batch: SampleBatch, nbytes: int | None = None) -> None:
+        """One batch sent; `nbytes` is its size when the caller knows it (the wire buffer's, less the header)."""
         self.messages += 1
-        self.batch_bytes += batch.nbytes
+        self.batch_bytes += batch.nbytes if nbytes is None else nbytes
         self.image_bytes += int(batch.images.nbytes)
 
     def take(self) -> dict[str, float]:
@@ -99,30 +103,58 @@ class ReceiveBuffers:
     A received batch's columns are views of the buffer it came in (`from_wire`), so a buffer is free
     exactly when no view of it is alive, which CPython's reference count says. At most `keep` buffers
     of at most `largest` bytes are kept; bigger messages (image shards) get a buffer of their own, so
-    the pool never holds more than keep x largest bytes that nothing uses.
+    the pool never holds more than keep x largest bytes that nothing uses. Each kept buffer keeps its
+    `typed_views` too, so a message's columns are one slice each (B5).
     """
 
     def __init__(self, keep: int = 4, largest: int = 64 << 20) -> None:
         self._buffers: list[np.ndarray] = []
+        self._typed: list[list[np.ndarray]] = []  # each buffer's typed views
+        self._idle: list[int] = []  # each buffer's reference count while nothing else refers to it
         self._keep, self._largest = keep, largest
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
-        """A uint8 buffer of exactly `nbytes` (a view of a pooled one when one is free)."""
+        """A uint8 buffer of exactly `nbytes` (a view of the smallest free pooled one that fits, if any)."""
+        return self.take_typed(nbytes)[0]
+
+    def take_typed(self, nbytes: int) -> tuple[np.ndarray, list[np.ndarray] | None]:
+        """As `take`, with the pooled buffer's typed views for `from_wire` (None: not pooled)."""
         if nbytes > self._largest:
-            return np.empty(nbytes, np.uint8)
-        with self._lock:
-            # unused: only the list and getrefcount's own argument refer to it (tests/unit/test_batch_wire.py)
-            free = [i for i in range(len(self._buffers)) if sys.getrefcount(self._buffers[i]) == 2]
-            fits = [i for i in free if self._buffers[i].nbytes >= nbytes]
-            if fits:
-                return self._buffers[min(fits, key=lambda i: self._buffers[i].nbytes)][:nbytes]
-            buffer = np.empty(nbytes, np.uint8)
-            if len(self._buffers) < self._keep:
-                self._buffers.append(buffer)
-            elif free:  # too small for this message: its place goes to the new one
-                self._buffers[min(free, key=lambda i: self._buffers[i].nbytes)] = buffer
-            return buffer[:nbytes]
+            return np.empty(nbytes, np.uint8), None
+        with self._lock:  # one pass, no lists or lambdas: this runs once per received message (B5)
+            buffers, best, smallest_free = self._buffers, None, None
+            for i in range(len(buffers)):
+                # unused: only the pool and getrefcount's argument refer to it (tests/unit/test_batch_wire.py)
+                if sys.getrefcount(buffers[i]) != self._idle[i]:
+                    continue
+                size = buffers[i].nbytes
+                if size >= nbytes and (best is None or size < buffers[best].nbytes):
+                    best = i
+                if smallest_free is None or size < buffers[smallest_free].nbytes:
+                    smallest_free = i
+            if best is not None:
+                return buffers[best][:nbytes], self._typed[best]
+            fresh = np.empty(nbytes, np.uint8)
+            if len(buffers) < self._keep:
+                return fresh[:nbytes], self._keep_buffer(len(buffers), fresh)
+            if smallest_free is not None:  # too small for this message: its place goes to the new one
+                return fresh[:nbytes], self._keep_buffer(smallest_free, fresh)
+            return fresh[:nbytes], None
+
+    def _keep_buffer(self, i: int, buffer: np.ndarray) -> list[np.ndarray]:
+        """Keep `buffer` at place `i` (a new one at the end, or in the place of a free one)."""
+        before = sys.getrefcount(buffer)
+        typed = typed_views(buffer)
+        # free: the pool's entry, getrefcount's argument and what the typed views add (measured, not assumed)
+        idle = 2 + sys.getrefcount(buffer) - before
+        if i == len(self._buffers):
+            self._buffers.append(buffer)
+            self._typed.append(typed)
+            self._idle.append(idle)
+        else:
+            self._buffers[i], self._typed[i], self._idle[i] = buffer, typed, idle
+        return typed
 
     def __len__(self) -> int:
         return len(self._buffers)
@@ -133,11 +165,12 @@ RECEIVE_BUFFERS = ReceiveBuffers()
 
 def send_batch(comm, dest: int, tag: int, batch: SampleBatch) -> None:
     # blocking: MPI progresses the transfer itself instead of waiting for our next poll
-    LEDGER.count(batch)
     buffer = batch.wire()
     if buffer is not None:  # already one contiguous message: no datatype, no copy
+        LEDGER.count(batch, buffer.nbytes - 8 * HEADER_WORDS)
         comm.Send(buffer, dest=dest, tag=tag)
         return
+    LEDGER.count(batch)
     parts = wire_parts(batch)
     dtype = gather_type(parts)
     try:
@@ -207,12 +240,19 @@ class StreamSender:
 
 
 def recv_batch(comm, source: int, tag: int, poll_s: float = 0.002) -> tuple[SampleBatch, int]:
-    """Receive one batch; returns it with the sender's rank (useful with MPI.ANY_SOURCE)."""
+    """Receive one batch; returns it with the sender's rank (useful with MPI.ANY_SOURCE).
+
+    One matched probe gives the message and its size at once; it is received into a pooled buffer
+    (`RECEIVE_BUFFERS`) and the batch's columns are views of that buffer (`from_wire`)."""
     status = MPI.Status()
-    message = wait_for_matched(comm, source, tag, status, poll_s)
-    buffer = RECEIVE_BUFFERS.take(status.Get_count(MPI.BYTE))
+    message = _improbe_spinning(comm, source, tag, status, SPIN_S)
+    if message is None:  # not close: sleep between probes
+        message = wait_for_matched(comm, source, tag, status, poll_s, spin_s=0.0)
+    else:
+        ACTIVITY.progress()
+    buffer, typed = RECEIVE_BUFFERS.take_typed(status.Get_count(MPI.BYTE))
     message.Recv(buffer)
-    return unpack(buffer), status.Get_source()
+    return from_wire(buffer, typed), status.Get_source()
 
 
 def bcast_batch(comm, batch: SampleBatch | None, root: int = 0) -> SampleBatch:
@@ -240,15 +280,23 @@ def agree_more(comm, mine: bool, poll_s: float = 0.002) -> bool:
     return bool(out[0])
 
 
-def wait_for_message(comm, source: int, tag: int, status=None, poll_s: float = 0.002, spin_s: float = 0.0002) -> None:
-    """Block until a matching message is pending: probe without sleeping for `spin_s` (a stream's
-    next batch is usually that close), then sleep between probes, backing off to `poll_s` (see
-    module docstring)."""
+SPIN_S = 0.0002
+"""How long a wait probes without sleeping before it starts to sleep. A stream's next batch is
+usually closer than this (in B5 it came 20-30 us after the receiver started to wait), and a sleep
+costs more than the spin: `time.sleep(50e-6)` returns after ~110 us here. Bounded so that spinning
+never takes the core from a working rank for long (module docstring): each wait spins at most once,
+so a rank that waits seconds sleeps all but SPIN_S of it, and a rank fed a stream spends at most
+SPIN_S of CPU per message on it (2% of a core at 100 batches/s)."""
+
+
+def wait_for_message(comm, source: int, tag: int, status=None, poll_s: float = 0.002, spin_s: float = SPIN_S) -> None:
+    """Block until a matching message is pending: probe without sleeping for `spin_s` (`SPIN_S`),
+    then sleep between probes, backing off to `poll_s` (see module docstring)."""
     status = status if status is not None else MPI.Status()
-    _poll(lambda: comm.Iprobe(source=source, tag=tag, status=status), tag, poll_s, spin_s)
+    _poll(lambda: comm.Iprobe(source=source, tag=tag, status=status), f"recv tag {tag}", poll_s, spin_s)
 
 
-def wait_for_matched(comm, source: int, tag: int, status, poll_s: float = 0.002, spin_s: float = 0.0002):
+def wait_for_matched(comm, source: int, tag: int, status, poll_s: float = 0.002, spin_s: float = SPIN_S):
     """As `wait_for_message`, but the message is matched (`Improbe`): it is ours to `Recv` whatever
     other threads receive meanwhile, and MPI matches it once, not again at the receive."""
     found = []
@@ -259,19 +307,33 @@ def wait_for_matched(comm, source: int, tag: int, status, poll_s: float = 0.002,
             found.append(message)
         return message is not None
 
-    _poll(probe, tag, poll_s, spin_s)
+    _poll(probe, f"recv tag {tag}", poll_s, spin_s)
     return found[0]
 
 
-def _poll(probe, tag: int, poll_s: float, spin_s: float) -> None:
-    if probe():
+def _improbe_spinning(comm, source: int, tag: int, status, spin_s: float):
+    """The matched message, probing without a sleep for up to `spin_s`; None if none came. No
+    closure and no activity context: this is `recv_batch`'s hot path (B5)."""
+    until = time.perf_counter() + spin_s
+    while True:
+        message = comm.Improbe(source=source, tag=tag, status=status)
+        if message is not None or time.perf_counter() >= until:
+            return message
+
+
+def _poll(probe, label: str, poll_s: float, spin_s: float) -> None:
+    """Call `probe` until it is true: at once and then without sleeping for `spin_s`; then, marked as
+    waiting on peers (`ACTIVITY`), sleeping between calls, backing off by 50 us to `poll_s`."""
+    until = time.perf_counter() + spin_s
+    while not probe():
+        if time.perf_counter() >= until:
+            break
+    else:
         ACTIVITY.progress()
         return
-    with ACTIVITY.waiting(f"recv tag {tag}"):
-        delay, spin_until = 0.0, time.perf_counter() + spin_s
+    with ACTIVITY.waiting(label):
+        delay = 0.0
         while not probe():
-            if time.perf_counter() < spin_until:
-                continue
             if delay:
                 time.sleep(delay)
             delay = min(poll_s, delay + 0.00005)
@@ -291,14 +353,17 @@ def recv_ints(comm, source: int, tag: int, poll_s: float = 0.002) -> tuple[np.nd
     return out, status.Get_source()
 
 
-def wait_for_any(comm, tags: list[int], poll_s: float = 0.002) -> int:
-    """Block until a message with one of `tags` (from anyone) is pending; returns that tag."""
-    delay = 0.0
-    with ACTIVITY.waiting(f"recv tags {tags}"):
-        while True:
-            for tag in tags:
-                if comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag):
-                    return tag
-            if delay:
-                time.sleep(delay)
-            delay = min(poll_s, delay + 0.00005)
+def wait_for_any(comm, tags: list[int], poll_s: float = 0.002, spin_s: float = SPIN_S) -> int:
+    """Block until a message with one of `tags` (from anyone) is pending; returns that tag (the
+    first of `tags` pending). Spins and sleeps as `wait_for_message`."""
+    found = []
+
+    def probe() -> bool:
+        for tag in tags:
+            if comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag):
+                found.append(tag)
+                return True
+        return False
+
+    _poll(probe, f"recv tags {tags}", poll_s, spin_s)
+    return found[0]
