@@ -5,7 +5,7 @@
 
 CUDA only (a CPU tensor has no IPC handle); the `ipc` transport is chosen only for an (owner, engine)
 pair on one GPU with the sglang engine (`placement/weight_transport.py`). Checked on a GPU by
-tests/gpu/test_weight_ipc.py and `tools/gpu_check.py` (sglang-ipc); nothing here runs on a CPU machine.
+tests/gpu/test_weight_transports.py and `tools/gpu_check.py` (sglang-ipc); nothing here runs on a CPU machine.
 
 The handles are `torch.multiprocessing.reductions.reduce_tensor` of each tensor (what torch's own
 multiprocessing sends: a handle to the allocation, offset, size and an event the producer recorded),
