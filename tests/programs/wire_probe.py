@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.comm.transport import TAG_SAMPLES, bcast_batch, recv_batch, send_batch
-from yatt_hpc.comm.weight_sync import recv_weights, send_weights
+from yatt_hpc.comm.weight_sync import WeightSender, receive_weights
 
 
 def make_batch(seed: int) -> SampleBatch:
@@ -42,6 +42,16 @@ def weights():
     yield "d.scalar", torch.tensor(1.5)
 
 
+class Collector:
+    """Stands where an engine would: keeps every tensor a weight sync loads."""
+
+    def __init__(self) -> None:
+        self.tensors: dict = {}
+
+    def update_weights(self, bucket, *, final: bool) -> None:
+        self.tensors.update(dict(bucket))
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     comm = MPI.COMM_WORLD
@@ -49,15 +59,13 @@ def main() -> None:
     if rank == 0:
         send_batch(comm, 1, TAG_SAMPLES, make_batch(1))
         send_batch(comm, 2, TAG_SAMPLES, make_batch(2))
-        send_weights(comm, [1, 2], weights(), bucket_mb=0.05)
+        WeightSender(comm, {}, bucket_mb=0.05).send([1, 2], weights())  # no pairs: every destination by mpi
     else:
         batch, src = recv_batch(comm, MPI.ANY_SOURCE, TAG_SAMPLES)
         np.savez(out / f"batch-{rank}.npz", source=src, **{k: getattr(batch, k) for k in batch.__dataclass_fields__})
-        got, buckets = {}, 0
-        for bucket, _final in recv_weights(comm, 0):
-            buckets += 1
-            got.update(dict(bucket))
-        save_file(got, str(out / f"weights-{rank}.safetensors"))
+        got = Collector()
+        buckets = receive_weights(comm, 0, got, "mpi")  # the path a rollout rank's engine takes
+        save_file(got.tensors, str(out / f"weights-{rank}.safetensors"))
         (out / f"buckets-{rank}.txt").write_text(str(buckets))
     b = bcast_batch(comm, make_batch(5) if rank == 0 else None, root=0)
     np.savez(out / f"bcast-{rank}.npz", **{k: getattr(b, k) for k in b.__dataclass_fields__})

@@ -59,11 +59,6 @@ def iter_buckets(weights: Iterable[tuple[str, torch.Tensor]], limit: int) -> Ite
     yield bucket, True
 
 
-def send_weights(comm, dests: list[int], weights: Iterable[tuple[str, torch.Tensor]], bucket_mb: float) -> Sent:
-    """Every destination by MPI bytes (the transport that needs no pair set-up)."""
-    return WeightSender(comm, {}, bucket_mb).send(dests, weights)
-
-
 class WeightSender:
     """A trainer owner's side: one object for the run, so each collective pair's group is built once."""
 
@@ -168,16 +163,6 @@ def _unpack_mpi(body: dict, payload: np.ndarray) -> Bucket:
     raw = torch.from_numpy(payload)
     return [(e["name"], raw[e["offset"]: e["offset"] + e["nbytes"]].view(_DTYPES[e["dtype"]]).reshape(e["shape"]).clone())
             for e in body["tensors"]]
-
-
-def recv_weights(comm, source: int) -> Iterator[tuple[Bucket, bool]]:
-    """The mpi transport: yield (bucket, final) until the final bucket of one weight version has arrived."""
-    while True:
-        envelope, payload = recv_message(comm, source)
-        _expect(envelope, "mpi", source)
-        yield _unpack_mpi(envelope["body"], payload), bool(envelope["body"]["final"])
-        if envelope["body"]["final"]:
-            return
 
 
 def receive_weights(comm, source: int, engine, transport: str) -> int:
