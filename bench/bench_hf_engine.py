@@ -26,7 +26,7 @@ from transformers import (
 )
 
 from yatt_hpc.rollout import GenerationRequest, build_engine
-from yatt_hpc.rollout.hf_engine import sample_next_tokens
+from yatt_hpc.rollout.sampling import sample_next_tokens
 
 MODELS = {
     "gpt2 h32 L2 V64": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2)),

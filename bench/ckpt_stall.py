@@ -70,7 +70,7 @@ def measure(mode: str, state: RankState, run_dir: Path, repeats: int, step_secon
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--elements", type=float, default=256e6, help="fp32 elements in total (default 256M = 1 GiB)")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--step-seconds", type=float, default=8.0, help="simulated training step between saves")
     ap.add_argument("--run-dir", type=Path, default=None, help="where to write (default: a temp dir, removed)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the state lives")

@@ -33,7 +33,7 @@ def run_once(run_dir: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="demo_run_") as tmp:
         runs = [run_once(Path(tmp) / f"run-{i}") for i in range(args.repeats)]

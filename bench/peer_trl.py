@@ -13,7 +13,7 @@ samples, lr 3e-4 constant, clip [0.2, 0.28], KL 0.001, temperature 1.0, seeded. 
 GenRM scoring by rule), no checkpoints between steps, no TensorBoard; TRL is one process, fp32, no
 gradient checkpointing, nothing saved. Two shapes: `demo` (models/demo/policy, 0.16 M parameters,
 12-token responses, 30 steps) and `wide` (a seeded random GPT-2 of ~3.2 M parameters built here, 256
-wide, 4 layers, 48-token responses, 8 steps). The sides take turns (yatt, trl, yatt, trl...).
+wide, 4 layers, 48-token responses, 6 steps). The sides take turns (yatt, trl, yatt, trl...).
 
 Per run: each step's wall time (yatt: metrics.jsonl `time/step`; TRL: on_step_begin -> on_step_end),
 the mean reward per step, and process start -> step 1 begins (yatt: launch -> the leader's log line
@@ -47,7 +47,7 @@ PEER_PYTHON = PEERS / ".venv" / "bin" / "python"
 CONFIG = "configs/demo_cpu.yaml"
 PROMPTS_PER_STEP = 16
 SHAPES = {"demo": {"steps": 30, "max_new_tokens": 12, "model": None},
-          "wide": {"steps": 8, "max_new_tokens": 48, "model": {"n_embd": 256, "n_layer": 4, "n_head": 4, "n_positions": 128}}}
+          "wide": {"steps": 6, "max_new_tokens": 48, "model": {"n_embd": 256, "n_layer": 4, "n_head": 4, "n_positions": 128}}}
 STEP_TARGET, START_TARGET = 0.8, 1.2
 NOTES = ("Same machine, the sides taking turns. yatt-hpc runs its 4-rank demo layout on the 2 cores (2 trainer ranks, "
          "1 rollout engine, 1 GenRM rank scoring by rule, taking the cores in turn); TRL is one process with torch's "

@@ -156,7 +156,7 @@ def slurm_cycles(args, run_dir: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3, help="local SIGTERM/restart cycles")
+    ap.add_argument("--repeats", type=int, default=2, help="local SIGTERM/restart cycles")
     ap.add_argument("--warm-steps", type=int, default=3, help="new steps logged before each signal")
     ap.add_argument("--slurm", action="store_true", help="also measure through the dev Slurm cluster")
     ap.add_argument("--slurm-repeats", type=int, default=2)

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from yatt_hpc.rollout import GenerationRequest, build_engine
-from yatt_hpc.rollout.hf_engine import sample_next_tokens
+from yatt_hpc.rollout.sampling import sample_next_tokens
 
 EOS = 2
 VOCAB = 64

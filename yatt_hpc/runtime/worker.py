@@ -145,6 +145,22 @@ def leave(code: int) -> None:
     os._exit(code)
 
 
+def profiled(fn, group: str, run_dir: Path, rank: int):
+    """`fn(group, run_dir)`, under cProfile when YATT_PROFILE_DIR names a directory (a developer's tool:
+    `YATT_PROFILE_DIR=/tmp/prof yatt-hpc run ...` leaves rank-NNNN-GROUP.prof there for pstats/snakeviz)."""
+    where = os.environ.get("YATT_PROFILE_DIR")
+    if not where:
+        return fn(group, run_dir)
+    import cProfile
+
+    Path(where).mkdir(parents=True, exist_ok=True)
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(fn, group, run_dir)
+    finally:
+        profile.dump_stats(str(Path(where) / f"rank-{rank:04d}-{group}.prof"))
+
+
 def main(argv: list[str] | None = None) -> None:
     from mpi4py import MPI  # initialises MPI: here, never at import (see the module docstring)
 
@@ -159,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     log_path = setup_logging(args.run_dir, comm.Get_rank(), args.group, "INFO")
     logging.getLogger(__name__).info("started: pid %d", os.getpid())
     try:
-        run_rank(args.group, args.run_dir)
+        profiled(run_rank, args.group, args.run_dir, rank=comm.Get_rank())
     except USER_ERRORS as err:
         logging.getLogger(__name__).error("%s", err)
         print(f"yatt-hpc [{args.group} rank {comm.Get_rank()}] error: {err}", file=sys.stderr, flush=True)

@@ -116,8 +116,7 @@ def build_transformer_config(
         add_qkv_bias=arch.qkv_bias,
         qk_layernorm=arch.qk_norm,
         gated_linear_unit=arch.gated_mlp,
-        # ACT2FN gives HF's exact function (gelu_new is the tanh approximation, written HF's way).
-        activation_func=F.silu if arch.gated_mlp else ACT2FN[arch.activation],
+        activation_func=F.silu if arch.gated_mlp else activation(arch.activation),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=params_dtype,
@@ -133,6 +132,16 @@ def build_transformer_config(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
     )
+
+
+def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def activation(name: str):
+    """HF's activation `name` as a function: the tanh GELUs (GPT-2's gelu_new, gelu_fast) as torch's one
+    kernel, which is what the HF engine serves too (rollout/hf_fast.py); the rest through ACT2FN."""
+    return tanh_gelu if name in ("gelu_new", "gelu_fast", "gelu_pytorch_tanh") else ACT2FN[name]
 
 
 def build_gpt_model(

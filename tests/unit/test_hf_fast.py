@@ -1,0 +1,126 @@
+"""The engine's faster paths for HF models compute what transformers computes (rollout/hf_fast.py), and the
+trainer's Megatron model uses the same one-kernel GELU."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+from transformers.activations import ACT2FN, GELUTanh, NewGELUActivation
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from yatt_hpc.rollout.hf_fast import (
+    DECODE_ATTENTION,
+    PreallocatedLayer,
+    decode_attention,
+    fuse_activations,
+    preallocated_cache,
+    use_decode_attention,
+)
+
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo" / "policy"
+
+
+def test_the_fused_gelu_is_gpt2s_gelu_new_and_the_trainer_uses_it():
+    from yatt_hpc.train.megatron_model import activation, tanh_gelu
+
+    x = torch.linspace(-8, 8, 10001)
+    assert (GELUTanh()(x) - NewGELUActivation()(x)).abs().max() < 1e-6
+    assert activation("gelu_new") is tanh_gelu and activation("gelu_fast") is tanh_gelu
+    assert (tanh_gelu(x) - ACT2FN["gelu_new"](x)).abs().max() < 1e-6
+    assert type(activation("silu")) is type(ACT2FN["silu"])  # other activations stay transformers' own
+
+
+def test_fusing_activations_keeps_the_models_logits():
+    model = AutoModelForCausalLM.from_pretrained(DEMO).eval()
+    ids = torch.randint(3, model.config.vocab_size, (4, 12))
+    with torch.no_grad():
+        before = model(ids).logits
+        assert fuse_activations(model) == model.config.n_layer
+        after = model(ids).logits
+    assert not any(isinstance(m, NewGELUActivation) for m in model.modules())
+    assert (before - after).abs().max() < 1e-5
+    assert fuse_activations(model) == 0  # nothing left to swap
+
+
+def test_a_preallocated_layer_holds_what_a_dynamic_layer_holds_and_refuses_overflow():
+    ours, theirs = PreallocatedLayer(capacity=7), DynamicLayer()
+    for width in (4, 1, 1, 1):
+        k, v = torch.randn(2, 3, width, 5), torch.randn(2, 3, width, 5)
+        got, want = ours.update(k, v), theirs.update(k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert ours.get_seq_length() == theirs.get_seq_length()
+    assert ours.keys.data_ptr() == ours._keys.data_ptr()  # a view of the buffer, not a copy
+    with pytest.raises(RuntimeError, match="7 positions asked to hold 8"):
+        ours.update(torch.randn(2, 3, 1, 5), torch.randn(2, 3, 1, 5))
+
+
+def test_the_cache_of_a_model_is_preallocated_layer_by_layer():
+    model = AutoModelForCausalLM.from_pretrained(DEMO)
+    cache = preallocated_cache(model.config, 20)
+    assert len(cache.layers) == model.config.n_layer
+    assert all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+
+
+class _Heads(torch.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups, self.is_causal = groups, True
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_decode_attention_is_sdpa_for_one_token_queries(heads, kv_heads, mask_kind):
+    torch.manual_seed(0)
+    rows, length, dim = 5, 9, 8
+    query = torch.randn(rows, heads, 1, dim)
+    buffer_k, buffer_v = torch.randn(rows, kv_heads, 16, dim), torch.randn(rows, kv_heads, 16, dim)
+    key, value = buffer_k[:, :, :length], buffer_v[:, :, :length]  # the cache's views
+    attend = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+    attend[0, ..., :3] = False  # a left-padded row
+    attend[3, ..., :1] = False
+    mask = {"none": None, "bool": attend,
+            "additive": torch.zeros(rows, 1, 1, length).masked_fill(~attend, torch.finfo(torch.float32).min)}[mask_kind]
+    module = _Heads(heads // kv_heads)
+    got, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, query, key.contiguous(), value.contiguous(), mask, scaling=0.3)
+    assert got.shape == want.shape == (rows, 1, heads, dim)
+    assert (got - want).abs().max() < 1e-5
+
+
+def test_decode_attention_leaves_a_prefill_to_sdpa():
+    module = _Heads(1)
+    q, k, v = torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4)
+    got, _ = decode_attention(module, q, k, v, None)
+    want, _ = sdpa_attention_forward(module, q, k, v, None)
+    assert torch.equal(got, want)
+
+
+def test_an_engine_model_decodes_with_it_and_keeps_the_teacher_forced_logprobs():
+    """The HF engine's sampled logprobs equal a cache-free forward of transformers' own model (SDPA)."""
+    from yatt_hpc.rollout import GenerationRequest
+    from yatt_hpc.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(DEMO)
+    assert engine._model.config._attn_implementation == DECODE_ATTENTION
+    reference = AutoModelForCausalLM.from_pretrained(DEMO).eval()
+    assert reference.config._attn_implementation == "sdpa"
+    prompts = [np.array([5, 6, 7, 8, 9], np.int32), np.array([11, 12], np.int32)]  # ragged: left padding
+    results = engine.generate([GenerationRequest(sample_id=i, prompt_ids=p, max_new_tokens=8, seed=i)
+                               for i, p in enumerate(prompts)])
+    for prompt, result in zip(prompts, results):
+        seq = torch.tensor(np.concatenate([prompt, result.response_ids]).astype(np.int64))[None]
+        with torch.no_grad():
+            logp = F.log_softmax(reference(seq).logits[0, len(prompt) - 1:-1], -1)
+        want = logp.gather(1, seq[0, len(prompt):, None]).squeeze(1).numpy()
+        assert np.abs(result.logprobs - want).max() < 1e-5
+
+
+def test_a_model_not_on_sdpa_keeps_its_attention():
+    model = AutoModelForCausalLM.from_pretrained(DEMO, attn_implementation="eager")
+    assert not use_decode_attention(model)
+    assert model.config._attn_implementation == "eager"
