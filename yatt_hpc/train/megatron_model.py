@@ -6,8 +6,8 @@
     mm.load_megatron_shard(model, convert.hf_to_megatron(hf_sd, hf_config, tp_rank, 2))
     logits = mm.forward_logits(model, input_ids)          # [B, T, padded_vocab / tp] (vocab-parallel)
 
-Two block styles: GPT-2 (learned positions, LayerNorm with bias, biased linears, HF's exact GELU
-variant, tied embeddings) and Llama/Qwen2/Qwen3 (RoPE with Llama-3 or linear scaling, RMSNorm,
+Two block styles: GPT-2 (learned positions, LayerNorm with bias, biased linears, the tanh GELU in one kernel
+(GPT-2's gelu_new), tied embeddings) and Llama/Qwen2/Qwen3 (RoPE with Llama-3 or linear scaling, RMSNorm,
 SwiGLU, GQA, Qwen2's QKV bias, Qwen3's per-head q/k RMSNorm). A Qwen2-VL checkpoint gives a Qwen2
 GPTModel with M-RoPE (``position_embedding_type="mrope"``) that also holds the HF vision tower as
 ``model.visual`` (replicated over TP; frozen unless asked to train): ``forward_logits`` with
