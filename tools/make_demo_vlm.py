@@ -41,7 +41,7 @@ from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.demo.shapes import shapes_row
 from yatt_hpc.demo.tiny_vlm import IMAGE_PAD_ID, save_tiny_vlm, tiny_qwen2_vl
 from yatt_hpc.reward.judge import GenRMJudge
-from yatt_hpc.reward.template import build_judge_prompt, verdict_text
+from yatt_hpc.reward.template import JudgePrompt, verdict_text
 from yatt_hpc.reward.verifier import rule_score
 from yatt_hpc.rollout.engine import GenerationRequest
 from yatt_hpc.vision.processor import ImageProcessor, decode_rgb, mark_images
@@ -138,7 +138,7 @@ JUDGE_TRAIN_SEED_OFFSET = 2  # the judge's training scenes: not the policy's (se
 
 class JudgeData:
     """Judge training and test rows as the GenRM builds them at run time (reward/judge.py): the row's
-    question with its image marked, `build_judge_prompt(question, response)` through `encode_prompt`, the
+    question with its image marked, the default template (`build_judge_prompt`) through the GenRM's `JudgePrompt`, the
     image pads expanded; the target is `verdict_text(rule says correct)` then EOS."""
 
     def __init__(self, enc: Encoder, policy, seed: int) -> None:
@@ -147,10 +147,11 @@ class JudgeData:
         self.enc, self.seed = enc, seed
         self.engine = HFEngine(policy, stop_token_ids=list(enc.tok.eos_ids), max_batch_size=256)
         self.digit_ids = [enc.tok.encode(str(d))[0] for d in range(1, 5)]
+        self.judge_prompt = JudgePrompt(enc.tok)
 
     def prompt(self, row: dict, response: str) -> list[int]:
         question = mark_images(row["prompt"], len(row["images"]))
-        ids = self.enc.tok.encode_prompt(build_judge_prompt(question, response))
+        ids = self.judge_prompt.ids(question, response)  # the GenRM's own encoder of its default template
         return self.enc.proc.expand(ids, [decode_rgb(b).size for b in row["images"]])
 
     def policy_samples(self, rows: list[dict], seed: int) -> list[str]:

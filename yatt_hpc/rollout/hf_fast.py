@@ -34,7 +34,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import AttentionInterface
 
-TANH_GELU_NAMES = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
 _PYTHON_TANH_GELU = (NewGELUActivation, FastGELUActivation)
 
 
