@@ -28,10 +28,12 @@ import argparse
 import functools
 import io
 import json
+import os
 import resource
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -80,10 +82,12 @@ def write_dataset(directory: Path, count: int, shards: int = 4) -> int:
     image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     schema = pa.schema([("id", pa.int64()), ("prompt", pa.string()), ("answer", pa.string()),
                         ("images", pa.list_(image))])
+    with ProcessPoolExecutor(os.cpu_count()) as pool:  # every core draws: the photos are the dataset's cost
+        photos = list(pool.map(photo, range(count), chunksize=32))
     total = 0
     for k in range(shards):
         ids = range(k * count // shards, (k + 1) * count // shards)
-        rows = [{"id": i, "prompt": "<image>Describe it.", "answer": "x", "images": [{"bytes": photo(i), "path": None}]}
+        rows = [{"id": i, "prompt": "<image>Describe it.", "answer": "x", "images": [{"bytes": photos[i], "path": None}]}
                 for i in ids]
         total += sum(len(r["images"][0]["bytes"]) for r in rows)
         pq.write_table(pa.Table.from_pylist(rows, schema=schema), directory / f"train-{k:05d}-of-{shards:05d}.parquet",
@@ -169,7 +173,8 @@ def worker(pattern: str, directory: Path, count: int, out: Path) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    process([photo(0)])  # imports (transformers' image processor pulls torch) and first-call costs, every rank
+    if pattern == "shards" or comm.Get_rank() == 0:  # the driver's other ranks only receive pixel arrays
+        process([photo(0)])  # imports (transformers' image processor pulls torch) and first-call costs
     idle = rss_mb()
     comm.Barrier()
     start = time.perf_counter()

@@ -29,8 +29,6 @@ import shutil
 import time
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.errors import (
@@ -65,6 +63,8 @@ def write_rank_files(inc: Path, snap: RankState) -> list[FileEntry]:
         files.append((layout.optim_file(c.get("tp", 0), c.get("pp", 0), c.get("dp", 0)), snap.optim,
                       snap.optim_meta))
     entries = []
+    if files:
+        from safetensors.torch import save_file  # torch: only a rank that has tensors to write imports it
     for name, tensors, meta in files:
         path = inc / name
         # One metadata key: safetensors keeps metadata in a hash map, so several keys would be

@@ -13,11 +13,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.errors import CheckpointError
@@ -26,7 +24,10 @@ from yatt_hpc.ckpt.rng import RngState
 from yatt_hpc.ckpt.state import SharedState, read_record, read_shared
 
 log = logging.getLogger(__name__)
-StateDict = dict[str, torch.Tensor]
+if TYPE_CHECKING:  # torch is imported where weights are read: a rank without any never needs it
+    import torch
+
+    StateDict = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -74,6 +75,8 @@ def read_weights(step_dir: Path, tp: int = 0, pp: int = 0) -> StateDict:
         have = sorted(p.name for p in step_dir.glob("model-*.safetensors"))
         raise CheckpointError(f"{step_dir} has no parameters for tp={tp} pp={pp} ({path.name}); "
                               f"it has {have}: was it saved with another parallel layout?")
+    from safetensors.torch import load_file
+
     return load_file(str(path))
 
 

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -29,16 +33,21 @@ class RngState:
 
 
 def capture_rng(generators: dict[str, torch.Generator] | None = None) -> RngState:
-    """This process's RNG states: torch CPU, every initialized CUDA device, numpy global, python."""
+    """This process's RNG states: torch CPU, every initialized CUDA device, numpy global, python.
+
+    A process that never imported torch (a GenRM rank scoring by rule only) has no torch stream to
+    keep: its ``torch_cpu`` is empty, and torch is not imported just to read a state nobody draws from.
+    """
+    torch = sys.modules.get("torch")
     np_state = np.random.get_state(legacy=False)
     np_state = {**np_state, "state": {"key": np_state["state"]["key"].tolist(),
                                       "pos": int(np_state["state"]["pos"])}}
     version, internal, gauss = random.getstate()
     cuda = []
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = [s.numpy().copy() for s in torch.cuda.get_rng_state_all()]
     return RngState(
-        torch_cpu=torch.get_rng_state().numpy().copy(),
+        torch_cpu=torch.get_rng_state().numpy().copy() if torch is not None else np.zeros(0, np.uint8),
         numpy_json=json.dumps(np_state),
         python_json=json.dumps([version, list(internal), gauss]),
         torch_cuda=cuda,
@@ -47,13 +56,19 @@ def capture_rng(generators: dict[str, torch.Generator] | None = None) -> RngStat
 
 
 def restore_rng(state: RngState, generators: dict[str, torch.Generator] | None = None) -> None:
-    """Put every captured stream back; named generators must be passed under the same names."""
-    torch.set_rng_state(torch.from_numpy(np.ascontiguousarray(state.torch_cpu, dtype=np.uint8)))
+    """Put every captured stream back; named generators must be passed under the same names. An empty
+    ``torch_cpu`` (captured before torch was ever imported) leaves torch alone: nothing had drawn from it."""
     np_state = json.loads(state.numpy_json)
     np_state["state"]["key"] = np.asarray(np_state["state"]["key"], dtype=np.uint32)
     np.random.set_state(np_state)
     version, internal, gauss = json.loads(state.python_json)
     random.setstate((version, tuple(internal), gauss))
+    if not (state.torch_cpu.size or state.torch_cuda or generators):
+        return
+    import torch
+
+    if state.torch_cpu.size:
+        torch.set_rng_state(torch.from_numpy(np.ascontiguousarray(state.torch_cpu, dtype=np.uint8)))
     if state.torch_cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([torch.from_numpy(s) for s in state.torch_cuda])
     for name, gen in (generators or {}).items():

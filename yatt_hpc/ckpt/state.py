@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
-import torch
 
 from yatt_hpc.ckpt.manifest import FileEntry
 from yatt_hpc.ckpt.rng import RngState
@@ -85,7 +85,8 @@ def _encode(value: Any, key: str) -> tuple[str, Any]:
         return "float", np.asarray(float(value), dtype=np.float64)
     if isinstance(value, str):
         return "str", value
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")  # a process without torch holds no tensors: it is not imported for this
+    if torch is not None and isinstance(value, torch.Tensor):
         if value.dtype == torch.bfloat16:
             raise ValueError(f"state {key!r}: bfloat16 tensors belong in safetensors, not state.h5")
         return "torch", value.detach().cpu().numpy()
@@ -109,6 +110,8 @@ def read_tree(group: h5py.Group) -> dict[str, Any]:
         elif kind in ("bool", "int", "float"):
             out[key] = {"bool": bool, "int": int, "float": float}[kind](item[()])
         elif kind == "torch":
+            import torch
+
             out[key] = torch.from_numpy(np.asarray(item[()]))
         else:
             out[key] = np.asarray(item[()])

@@ -13,17 +13,20 @@ at most one save is in flight: ``submit`` waits for the previous job before the 
 from __future__ import annotations
 
 import copy
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from yatt_hpc.ckpt.rng import RngState
 
-StateDict = dict[str, torch.Tensor]
+if TYPE_CHECKING:  # torch is imported where tensors are copied: a rank without tensors never needs it
+    import torch
+
+    StateDict = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -53,6 +56,8 @@ class Staging:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
 
     def copy(self, slot: str, tensors: StateDict) -> StateDict:
+        import torch
+
         out = {}
         any_cuda = False
         for name, src in tensors.items():
@@ -91,10 +96,12 @@ def _host_view(tensors: StateDict) -> StateDict:
 
 
 def _copy_tree(tree: dict[str, Any]) -> dict[str, Any]:
+    torch = sys.modules.get("torch")
+
     def one(value: Any) -> Any:
         if isinstance(value, dict):
             return {k: one(v) for k, v in value.items()}
-        if isinstance(value, torch.Tensor):
+        if torch is not None and isinstance(value, torch.Tensor):
             return value.detach().cpu().clone()
         if isinstance(value, np.ndarray):
             return value.copy()

@@ -16,6 +16,8 @@ alone, never from the machine, so a run's numbers do not depend on how it was la
 """
 from __future__ import annotations
 
+import os
+import sys
 from contextlib import contextmanager
 
 _THREADS = (0, 0)  # (idle, active) torch threads; 0: leave torch's setting alone (tests, tools)
@@ -29,9 +31,12 @@ def set_phase_threads(idle: int, active: int) -> None:
 
 
 def _threads(n: int) -> None:
-    import torch
-
-    if n and torch.get_num_threads() != n:
+    if not n:
+        return
+    torch = sys.modules.get("torch")
+    if torch is None:  # not imported yet (or never, on a rank scoring by rule only): torch starts with n
+        os.environ["OMP_NUM_THREADS"] = str(n)
+    elif torch.get_num_threads() != n:
         torch.set_num_threads(n)
 
 

@@ -29,7 +29,6 @@ from yatt_hpc.comm.transport import (
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.reward.function import row_metadata
-from yatt_hpc.reward.judge import GenRMJudge
 from yatt_hpc.reward.template import load_judge_template
 from yatt_hpc.reward.terms import RewardTerms, ScoringRows
 from yatt_hpc.reward.verdict import build_verdict_parser
@@ -57,7 +56,9 @@ class GenRMController(BaseController):
         self.policy_tokenizer = load_tokenizer(cfg.model.path)
         rc = cfg.reward
         self.judge = None
-        if rc.mode != "rule_only":
+        if rc.mode != "rule_only":  # rule-only: no engine, and no torch imported on this rank at all
+            from yatt_hpc.reward.judge import GenRMJudge
+
             parser = build_verdict_parser(rc.judge_parser, scale=(rc.judge_score_min, rc.judge_score_max),
                                           pattern=rc.judge_pattern)
             self.judge = GenRMJudge.from_pretrained(rc.genrm_path, device=rank_device(world), engine=cfg.rollout.engine,

@@ -66,9 +66,11 @@ def quiet_libraries() -> None:
     """Per-rank progress bars from transformers would interleave on the launcher's terminal."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    # transformers reads both when it is imported; a rank that never imports it (a GenRM rank scoring by
+    # rule) must not pay ~1 s for it here
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is not None:
+        hf_logging.disable_progress_bar()
 
 
 def run_rank(group: str, run_dir: Path) -> str:
@@ -118,7 +120,8 @@ def run_rank(group: str, run_dir: Path) -> str:
         metrics.close()
     controller.close()  # engines' child processes (SGLang's scheduler) end with the run, not at interpreter exit
     protocol.close()
-    logging.getLogger(__name__).info("done: %s", outcome)
+    heavy = [m for m in ("torch", "transformers", "megatron.core") if m in sys.modules]
+    logging.getLogger(__name__).info("done: %s (loaded: %s)", outcome, ", ".join(heavy) or "no torch")
     quiet_barrier(world.comm, "end")
     return outcome
 

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.activations import ACT2FN
 
 from yatt_hpc.train import cpu_compat
 from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
@@ -138,10 +137,20 @@ def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+NATIVE_ACTIVATIONS = {"gelu_new": tanh_gelu, "gelu_fast": tanh_gelu, "gelu_pytorch_tanh": tanh_gelu,
+                      "gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu}
+
+
 def activation(name: str):
     """HF's activation `name` as a function: the tanh GELUs (GPT-2's gelu_new, gelu_fast) as torch's one
-    kernel, which is what the HF engine serves too (rollout/hf_fast.py); the rest through ACT2FN."""
-    return tanh_gelu if name in ("gelu_new", "gelu_fast", "gelu_pytorch_tanh") else ACT2FN[name]
+    kernel, which is what the HF engine serves too (rollout/hf_fast.py); gelu, relu and silu as torch's;
+    anything else through transformers' ACT2FN, imported only then (it pulls in ~2 s of transformers'
+    model-loading machinery that a trainer rank otherwise never needs)."""
+    if name in NATIVE_ACTIVATIONS:
+        return NATIVE_ACTIVATIONS[name]
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
 
 
 def build_gpt_model(
