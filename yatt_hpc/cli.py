@@ -221,7 +221,7 @@ def logs_cmd(job: str, group: str | None, follow: bool) -> None:
 @click.argument("job")
 @_slurm_errors
 def cancel_cmd(job: str) -> None:
-    """Cancel JOB (all het components and steps)."""
+    """Cancel JOB (all het components and steps): the ranks save at the signal, and the job is not requeued."""
     from yatt_hpc.launch.jobs import cancel, require_slurm
 
     require_slurm("cancel")

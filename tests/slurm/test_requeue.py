@@ -9,6 +9,8 @@
 (d) `scontrol requeue` during a long step: the ranks give the step up after checkpoint.stop_grace_s,
     commit the last completed step well before Slurm's KillWait, exit cleanly, and the job comes back
     from there (bitwise equality with long steps is tests/mpi/test_stop_grace.py's).
+(e) `yatt-hpc cancel`: the ranks save at the SIGTERM and the job ends CANCELLED, not requeued (a stop
+    signal otherwise requeues: scancel's SIGTERM brought the job back before cancel disabled requeueing).
 """
 import json
 import os
@@ -20,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, checkpoint_weights, full_matrix_only, wait_for_log_line
+from tests.conftest import PYTHON, REPO, checkpoint_weights, full_matrix_only, wait_for_log_line
 from tests.slurm.jobs import job_rank_pid
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import wait_job
@@ -103,6 +105,24 @@ def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted
     assert "stop signal" in log or "resumed from checkpoint step" in log
     assert_same_weights(checkpoint_weights(run_dir, STEPS), uninterrupted)
     subprocess.run(["scancel", high])
+
+
+def test_cancel_saves_and_ends_the_job_without_a_requeue(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    sub = submit(run_dir, "slurm.max_requeues=3")
+    wait_steps(run_dir, 2)
+    done = subprocess.run([str(Path(PYTHON).parent / "yatt-hpc"), "cancel", sub.job_id], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    states = wait_job(sub.job_id, poll_s=1, timeout_s=120)
+    assert set(states.values()) == {"CANCELLED"}, (states, logs(run_dir)[-3000:])
+    history = subprocess.run(["sacct", "-j", sub.job_id, "-X", "-n", "-P", "--duplicates", "--format=State"],
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert "REQUEUED" not in history, history
+    assert restart_count(run_dir, sub.job_id) == 0
+    stop = json.loads((run_dir / "logs" / f"stop_{sub.job_id}_0.json").read_text())
+    assert stop["step"] >= 2 and stop["reason"].startswith("stop signal"), stop
+    assert (run_dir / "checkpoints" / f"step-{stop['step']}" / "COMMITTED").exists()
 
 
 @full_matrix_only  # kill + resubmit is tests/slurm/test_faults.py's, exact weights after a kill test_exact_resume.py's

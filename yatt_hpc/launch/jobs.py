@@ -158,7 +158,13 @@ def wait_job(job: str, poll_s: float = 2.0, on_change=None, timeout_s: float | N
 
 
 def cancel(job: str) -> None:
-    out = _run(["scancel", check_job_id(job)], check=False)
+    """End JOB for good. A run saves and requeues itself on a stop signal (preemption, the time limit), and
+    scancel's SIGTERM is one too: without this the job came back as a new attempt (measured with B7: a
+    cancelled demo job restarted 14 s later). So the job is made non-requeueable first (all het components:
+    the leader's `scontrol requeue` is then refused), and scancel's SIGTERM still lets the ranks save."""
+    job = check_job_id(job)
+    _run(["scontrol", "update", f"JobId={job}", "Requeue=0"], check=False)  # a finished job: scancel says so
+    out = _run(["scancel", job], check=False)
     if out.returncode:
         raise JobError(f"scancel {job} failed: {' '.join(out.stderr.split())}; check the id with yatt-hpc status")
 
