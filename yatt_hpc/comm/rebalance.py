@@ -4,8 +4,9 @@
     batch, info = balancer.rebalance(batch)     # collective over the replicas' data owners
 
 Only lengths are exchanged collectively (allgather of per-group workloads); the assignment is the
-same pure Karmarkar-Karp computation on every rank; then each group that changes replica travels
-point to point, once. Groups are never split. The result is sorted by sample id.
+same pure Karmarkar-Karp computation on every rank; then, if that evens the load by at least
+`MIN_GAIN`, each group that changes replica travels point to point, once. Groups are never split.
+The result is sorted by sample id.
 """
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ from yatt_hpc.comm.transport import recv_batch, send_batch
 from yatt_hpc.sched.balance import balanced_partition, imbalance, workload
 
 TAG_BALANCE = 15
+MIN_GAIN = 0.01
+"""Groups move only when that lowers the replicas' max/mean workload by at least this much. Moving costs
+a transfer every step; measured on the demo (2 replicas, 8 groups each): the replicas were within 0.2%
+of even as dealt, and moving 6 groups to reach 0.04% took ~8 ms of a ~0.2 s training phase."""
 
 
 @dataclass
@@ -43,8 +48,8 @@ class Rebalancer:
         k = self.comm.Get_size()
         before = [[i for i, u in enumerate(units) if u[2] == dp] for dp in range(k)]
         dest_of = self._assign(balanced_partition(weights, k), before)
-        if imbalance(weights, self._parts(dest_of, k)) >= imbalance(weights, before) - 1e-12:
-            dest_of = [u[2] for u in units]  # no better than now: move nothing
+        if imbalance(weights, self._parts(dest_of, k)) > imbalance(weights, before) - MIN_GAIN:
+            dest_of = [u[2] for u in units]  # not worth a transfer: move nothing
         keep, outgoing = [], {}
         for i, (g, _, src) in enumerate(units):
             if src == me:
