@@ -125,21 +125,21 @@ class SampleBatch:
         """A new batch with the samples at `index`, in that order (contiguous: see `wire`)."""
         index = np.asarray(index, dtype=np.int64)
         n = len(index)
+        gathers: dict[str, np.ndarray] = {}  # per length column: where the picked samples' elements are
         sizes = {}
         for name in COLUMNS:
             if name in RAGGED:
-                sizes[name] = int(getattr(self, LENGTH_OF[name])[index].sum()) if n else 0
+                by = LENGTH_OF[name]
+                if by not in gathers:
+                    gathers[by] = _ragged_positions(getattr(self, by), index)
+                sizes[name] = len(gathers[by])
             else:
                 sizes[name] = n
         buffer, views = _layout(n, sizes)
         for name in COLUMNS:
-            col, out = getattr(self, name), views[name]
-            if name in RAGGED:
-                if sizes[name]:
-                    parts = self.ragged(name)
-                    np.concatenate([parts[i] for i in index], out=out)
-            elif n:
-                np.take(col, index, out=out)
+            if sizes[name]:
+                where = gathers[LENGTH_OF[name]] if name in RAGGED else index
+                np.take(getattr(self, name), where, out=views[name])
         return _adopt(buffer, views)
 
     def sorted_by_id(self) -> SampleBatch:
@@ -158,6 +158,18 @@ class SampleBatch:
             if views[name].size:
                 np.concatenate([getattr(b, name) for b in batches], out=views[name])
         return _adopt(buffer, views)
+
+
+def _ragged_positions(lengths: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Flat positions, in a ragged column laid out by `lengths`, of the elements of the samples at
+    `index`, in that order: one vectorised gather instead of a split and a concatenate per sample."""
+    picked = lengths[index].astype(np.int64)
+    total = int(picked.sum())
+    if not total:
+        return np.zeros(0, np.int64)
+    starts = np.cumsum(lengths, dtype=np.int64) - lengths  # where each sample's elements begin
+    # position k of the output belongs to the j-th picked sample: starts[index[j]] + (k - its output start)
+    return np.arange(total, dtype=np.int64) + np.repeat(starts[index] - (np.cumsum(picked) - picked), picked)
 
 
 def image_columns(images: list[list[bytes]], n: int) -> dict[str, np.ndarray]:

@@ -1,6 +1,7 @@
 """The batch's contiguous wire layout (yatt_hpc/batch.py): what select/concat/packed build, and when
 `wire()` may hand that buffer to the transport."""
 import numpy as np
+import pytest
 
 from yatt_hpc.batch import COLUMNS, SampleBatch, from_wire
 from yatt_hpc.comm.transport import pack, wire_parts
@@ -100,3 +101,27 @@ def test_a_pooled_buffer_comes_with_typed_views_that_give_the_same_batch():
     assert pool.take_typed(wire.nbytes)[1] is None, "in use by `got`, and the pool keeps one: a buffer of its own"
     del got, buffer
     assert pool.take_typed(wire.nbytes)[1] is typed, "free again once no column refers to it"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_select_gathers_every_column_of_the_picked_samples_in_order(seed):
+    """`select` gathers the ragged columns in one vectorised step: each picked sample keeps exactly its
+    own elements (empty rows, repeats, any order), checked against a per-sample split of the source."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40))
+    pl, rl = rng.integers(0, 9, n).astype(np.int32), rng.integers(0, 5, n).astype(np.int32)
+    ml = np.where(rng.random(n) < 0.5, 0, rng.integers(1, 7, n)).astype(np.int32)
+    batch = SampleBatch(sample_id=rng.permutation(n).astype(np.int64), prompt_id=np.arange(n, dtype=np.int64),
+                        prompt_len=pl, prompt_tokens=rng.integers(0, 99, pl.sum()).astype(np.int32),
+                        response_len=rl, response_tokens=rng.integers(0, 99, rl.sum()).astype(np.int32),
+                        logprobs=rng.random(rl.sum()).astype(np.float32), metadata_len=ml,
+                        metadata=rng.integers(0, 255, ml.sum()).astype(np.uint8))
+    for index in (rng.permutation(n), rng.integers(0, n, 2 * n), np.zeros(0, np.int64), np.argsort(batch.sample_id)):
+        got = batch.select(index)
+        assert len(got) == len(index)
+        np.testing.assert_array_equal(got.sample_id, batch.sample_id[index])
+        for name in ("prompt_tokens", "response_tokens", "logprobs", "metadata"):
+            source = batch.ragged(name)
+            want = [source[i] for i in index]
+            assert [a.tolist() for a in got.ragged(name)] == [w.tolist() for w in want], name
+        assert got.wire() is not None
