@@ -15,10 +15,13 @@ gradient checkpointing, nothing saved. Two shapes: `demo` (models/demo/policy, 0
 12-token responses, 30 steps) and `wide` (a seeded random GPT-2 of ~3.2 M parameters built here, 256
 wide, 4 layers, 48-token responses, 6 steps). The sides take turns (yatt, trl, yatt, trl...).
 
-Per run: each step's wall time (yatt: metrics.jsonl `time/step`; TRL: on_step_begin -> on_step_end),
-the mean reward per step, and process start -> step 1 begins (yatt: launch -> the leader's log line
-"step 1 begins"; TRL: launch -> the first on_step_begin). Step times are pooled over steps 2..N of all
-runs (step 1 pays first-call warm-ups on both sides); ratios are paired per turn. Where a step goes:
+Per run: each step's wall time from its beginning to the next step's (yatt: the leader's log lines
+"step k begins", millisecond stamps; TRL: its on_step_begin times), so what runs between steps counts on
+both sides (our step report and stop agreement, TRL's logging); each side's own clock of the step body
+(yatt: metrics.jsonl `time/step`; TRL: on_step_begin -> on_step_end); the mean reward per step; and
+process start -> step 1 begins (yatt: launch -> the leader's "step 1 begins"; TRL: launch -> the first
+on_step_begin). Step times are pooled over steps 2..N-1 of all runs (step 1 pays first-call warm-ups on
+both sides; the last has no next beginning); ratios are paired per turn. Where a step goes:
 generation (yatt: the rollout phase; TRL: its generation call, wrapped) and training (yatt: the trainer
 phase; TRL: the rest of the step but the reward call), and each yatt-hpc phase (RUN_DIR/timeline); the
 start-up marks of both sides. Prints rich tables, writes bench/results/peer_trl.json.
@@ -134,11 +137,13 @@ def run_yatt(model: str, shape: dict, root: Path, tag: str) -> dict:
              "rollout engine ready": max(first_time(v, r"rollout rank ready") or 0 for v in logs.values()),
              "step 1 begins": first_time(leader, r"step 1 begins$")}
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    begins = [log_time(x) for x in leader if re.search(r"step \d+ begins$", x)]
     phases = yatt_phases(run_dir)
     gen, train = phases["rollout/rollout"], phases["trainer/train"]
     split = {"generation": gen, "train": train, "other": [s - g - t for s, g, t in zip(
         [m["time/step"] for m in metrics], gen, train)]}
-    return {"step_s": [m["time/step"] for m in metrics], "split_s": split, "reward_mean": [m["reward/mean"] for m in metrics],
+    return {"step_s": [m["time/step"] for m in metrics], "cycle_s": list(np.diff(begins)), "split_s": split,
+            "reward_mean": [m["reward/mean"] for m in metrics],
             "response_len_mean": [m["rollout/response_len_mean"] for m in metrics], "wall_s": wall,
             "start_to_step1_s": marks["step 1 begins"] - start,
             "startup_s": {k: v - start for k, v in marks.items() if v}, "phases": phases}
@@ -155,7 +160,7 @@ def run_trl(model: str, shape: dict, rows: Path, root: Path, tag: str) -> dict:
              "step 1 begins": data["first_step_begin"]}
     gen, reward = data["phases"]["generate"], data["phases"]["reward"]
     train = [s - g - r for s, g, r in zip(data["step_s"], gen, reward)]
-    return {**data, "split_s": {"generation": gen, "train": train, "other": reward},
+    return {**data, "cycle_s": list(np.diff(data["begins"])), "split_s": {"generation": gen, "train": train, "other": reward},
             "wall_s": wall, "start_to_step1_s": data["first_step_begin"] - start,
             "startup_s": {k: v - start for k, v in marks.items()}}
 
@@ -212,8 +217,11 @@ def report(args, runs: dict, meta: dict, took: float) -> None:
     table, split, startup, rows_out, curves, verdicts, met = [], [], [], [], {}, [], True
     for name in args.shapes:
         y, t = runs[name]["yatt"], runs[name]["trl"]
-        step = {side: spread(steps(runs[name][side], lambda r: r["step_s"])) for side, _ in sides}
-        step_ratio = spread([np.median(a["step_s"][1:]) / np.median(b["step_s"][1:]) for a, b in zip(y, t)])
+        # a step: one begin to the next (everything between steps included: our step report and stop
+        # agreement, TRL's logging), steps 2..N-1; `inside` is each side's own clock of the step body
+        step = {side: spread(steps(runs[name][side], lambda r: r["cycle_s"])) for side, _ in sides}
+        inside = {side: spread(steps(runs[name][side], lambda r: r["step_s"])) for side, _ in sides}
+        step_ratio = spread([np.median(a["cycle_s"][1:]) / np.median(b["cycle_s"][1:]) for a, b in zip(y, t)])
         start = {side: spread([r["start_to_step1_s"] for r in runs[name][side]]) for side, _ in sides}
         start_ratio = spread([a["start_to_step1_s"] / b["start_to_step1_s"] for a, b in zip(y, t)])
         length = {side: float(np.mean([r["response_len_mean"] for r in runs[name][side]])) for side, _ in sides}
@@ -226,12 +234,14 @@ def report(args, runs: dict, meta: dict, took: float) -> None:
             gen, train, other = (spread(steps(rs, lambda r, k=k: r["split_s"][k])) for k in ("generation", "train", "other"))
             table.append([name, who, cell(step[side]), cell(start[side], 1, range_digits=1), f"{length[side]:.1f}",
                           f"{first5[side]:.2f} -> {last5[side]:.2f}"])
-            split.append([name, who, f"{step[side]['median']:.3f}", f"{gen['median']:.3f}", f"{train['median']:.3f}",
-                          f"{other['median']:.3f}"])
+            split.append([name, who, f"{step[side]['median']:.3f}", f"{inside[side]['median']:.3f}", f"{gen['median']:.3f}",
+                          f"{train['median']:.3f}", f"{other['median']:.3f}"])
             marks = rs[0]["startup_s"]
             startup.append([name, who, "  ".join(f"{k} {np.median([r['startup_s'].get(k, np.nan) for r in rs]):.1f}"
                                                  for k in marks)])
-            rows_out += [row(f"{name}: {who} step wall time (steps 2..N of every run)", step[side], " s"),
+            rows_out += [row(f"{name}: {who} step wall time, begin to next begin (steps 2..N-1 of every run)",
+                             step[side], " s"),
+                         row(f"{name}: {who} step body by its own clock (steps 2..N)", inside[side], " s"),
                          row(f"{name}: {who} generation per step", gen, " s"),
                          row(f"{name}: {who} training per step (reference + policy passes, optimizer)", train, " s"),
                          row(f"{name}: {who} process start -> step 1 begins", start[side], " s", 1)]
@@ -247,12 +257,14 @@ def report(args, runs: dict, meta: dict, took: float) -> None:
                                              for k in y[0]["phases"]}
     shapes = ", ".join(f"{n}: {SHAPES[n]['steps']} steps, {SHAPES[n]['max_new_tokens']}-token cap" for n in args.shapes)
     print_table(f"B9 yatt-hpc vs TRL {runs[args.shapes[0]]['trl'][0]['versions']['trl']} GRPOTrainer ({shapes}; "
-                f"{args.repeats} turns a side). Seconds, median {escape('[min-max]')}: step wall (steps 2..N), "
+                f"{args.repeats} turns a side). Seconds, median {escape('[min-max]')}: step wall, begin to next "
+                "begin (steps 2..N-1), "
                 "start -> step 1",
                 ["shape", "side", "step", "start", "tokens", "reward 1-5 -> last 5"], table)
-    print_table("B9 where a step goes (median seconds, steps 2..N; other = step - generation - training, per step: "
-                "yatt-hpc's hand-offs and weight sync, TRL's reward call)",
-                ["shape", "side", "step", "generation", "training", "other"], split)
+    print_table("B9 where a step goes (median seconds; body: each side's own clock of the step, steps 2..N; other = "
+                "body - generation - training, per step: yatt-hpc's hand-offs and weight sync, TRL's reward call; "
+                "step - body: between steps)",
+                ["shape", "side", "step", "body", "generation", "training", "other"], split)
     print_table("B9 start-up marks, seconds after launch (median over turns)", ["shape", "side", "marks"], startup)
     for name in args.shapes:
         width = 5 if SHAPES[name]["steps"] > 10 else 2

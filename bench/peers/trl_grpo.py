@@ -118,7 +118,7 @@ def main() -> None:
     lengths = [log["completions/mean_length"] for log in clock.logs if "completions/mean_length" in log]
     args.out.write_text(json.dumps({
         "step_s": clock.seconds, "phases": clock.phases, "reward_mean": rewards, "response_len_mean": lengths,
-        "first_step_begin": clock.begins[0], "marks": marks, "torch_threads": torch.get_num_threads(),
+        "first_step_begin": clock.begins[0], "begins": clock.begins, "marks": marks, "torch_threads": torch.get_num_threads(),
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
         "logs": clock.logs}, indent=1) + "\n")
 
