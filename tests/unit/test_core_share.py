@@ -1,6 +1,9 @@
 """On CPU the cores are the devices: in full colocation the group whose phase runs takes the node's cores
 as torch threads (`placement.node_cpus`) and gives them back when the phase ends
 (yatt_hpc/placement/plan.py `Plan.phase_threads`, yatt_hpc/roles/colocation.py)."""
+import os
+import subprocess
+import sys
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -54,3 +57,19 @@ def test_resume_takes_the_phases_threads_and_release_gives_them_back():
     finally:
         colocation.set_phase_threads(0, 0)
         torch.set_num_threads(before)
+
+
+def test_threads_set_before_torch_loads_are_the_ones_torch_starts_with():
+    """The worker sets the idle threads before a controller imports torch (a rule-only GenRM rank never
+    does): torch then starts with them, and a phase still takes the active count."""
+    code = ("import os, sys; from types import SimpleNamespace; from contextlib import nullcontext; "
+            "from yatt_hpc.roles import colocation; colocation.set_phase_threads(1, 2); "
+            "assert 'torch' not in sys.modules; import torch; idle = torch.get_num_threads(); "
+            "stats = SimpleNamespace(phase=lambda name: nullcontext()); "
+            "engine = SimpleNamespace(resume_memory=lambda: None, release_memory=lambda: None); "
+            "colocation.resume(stats, engine); active = torch.get_num_threads(); "
+            "print(os.environ['OMP_NUM_THREADS'], idle, active)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "1", "2"]
