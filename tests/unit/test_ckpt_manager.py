@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -239,9 +241,6 @@ def test_a_rank_without_tensors_saves_and_resumes_without_importing_torch(tmp_pa
     """A GenRM rank scoring by rule holds no model: its checkpoint (numpy and python RNG streams, its
     data position) is written and read back with torch never imported (~3 s of CPU per start on the
     2 cores the four demo ranks share), and its numpy/python streams continue exactly."""
-    import subprocess
-    import sys
-
     code = f"""
 import random, sys
 import numpy as np
