@@ -80,6 +80,7 @@ def run_once(mode: str, chunk: int | str, models: dict, args, root: Path, i: int
     sets = {"model.path": models["policy"], "reward.genrm_path": models["judge"], "train.steps": args.steps,
             "rollout.max_new_tokens": args.max_new_tokens, "placement.mode": mode, "checkpoint.interval": 0,
             "logging.tensorboard": False, "logging.progress": False, "train.kl_coef": 0.0}
+    sets.update(dict(kv.split("=", 1) for kv in (args.partial_set if mode != "colocate" else [])))
     if chunk == "finished":  # the whole wave in one engine call, each group streamed when it finishes
         sets["rollout.streaming"] = "finished_groups"
     else:
@@ -124,6 +125,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="*", default=[],
                     help="also run partial with these rollout.stream_chunk values (chunked streaming: 1.8x colocate's "
                          "rollout+reward at 16 when last measured, so make bench leaves it out)")
+    ap.add_argument("--partial-set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides for the partial runs only (experiments: e.g. placement.rollout.cpus_per_task=2)")
     ap.add_argument("--eos-rate", type=float, default=0.02, help="per-token P(eos) of the policy")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     args = ap.parse_args()

@@ -114,6 +114,24 @@ def test_same_seeds_give_same_samples_whatever_the_batch_order_or_size(engine):
         np.testing.assert_allclose(a.logprobs, c.logprobs, rtol=0, atol=1e-6)
 
 
+def test_finished_rows_leave_the_micro_batch_and_the_others_sample_as_alone(engine, monkeypatch):
+    # Rows end at different steps (their own max_new_tokens, or EOS): the micro-batch sheds them as it
+    # goes, and what every row samples is what it samples alone.
+    requests = [GenerationRequest(sample_id=i, prompt_ids=np.array([3 + i, 4, 5 + i]), max_new_tokens=1 + 3 * i,
+                                  seed=50 + i) for i in range(10)]
+    widths, forward = [], engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, *a, **kw: widths.append(len(ids)) or forward(ids, *a, **kw))
+    together = engine.generate(requests)
+    assert widths[0] == 10 and widths[-1] < 10 and widths == sorted(widths, reverse=True), widths
+    monkeypatch.undo()
+    for request, got in zip(requests, together):
+        alone = engine.generate([request])[0]
+        assert len(got.response_ids) <= request.max_new_tokens
+        np.testing.assert_array_equal(got.response_ids, alone.response_ids)
+        np.testing.assert_allclose(got.logprobs, alone.logprobs, rtol=0, atol=1e-6)
+        assert got.finish_reason == alone.finish_reason
+
+
 def test_different_seeds_give_different_samples(engine):
     prompt = [5, 6, 7]
     results = engine.generate(

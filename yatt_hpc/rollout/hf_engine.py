@@ -24,7 +24,10 @@ new tokens, tiny GPT-2 h32/L2/V64: 36 ms = 28k tok/s vs 47 ms for ``model.genera
 * torch's intra-op threads must not outnumber the cores a rank owns: with 2 threads on 2 busy cores the
   same generate took 0.25-5 s instead of 36 ms. Whoever launches ranks sets ``OMP_NUM_THREADS``.
 * Requests are sorted by prompt length and cut into micro-batches of ``max_batch_size``: less left
-  padding. Finished rows ride along until the micro-batch ends (no cache compaction: the loop stays short).
+  padding. A micro-batch sheds its finished rows (their KV cache rows too) once they are 1/8 of the rows
+  it computes: a long-tail batch (128 rows, P(eos) 0.02 per token, lengths p50 26 / max 256, a 64-wide
+  GPT-2) took 1.32 s when finished rows rode along to the end and takes 0.82 s (2 threads; 1 thread
+  1.61 -> 0.85 s). A row's tokens are still those it draws alone (the test holds them equal).
 * A vision-language checkpoint (Qwen2-VL) loads as ``AutoModelForImageTextToText``. A request's encoded
   images are decoded once per generate call (the n requests of a group share them) into pixel values
   by ``vision/processor.py``; the prefill gets them with their grids and the M-RoPE positions of each
@@ -61,6 +64,9 @@ from yatt_hpc.rollout.hf_fast import fuse_activations, preallocated_cache, use_d
 from yatt_hpc.rollout.sampling import draw_uniforms, sample_next_tokens
 from yatt_hpc.vision.processor import ImageProcessor, decode_rgb, is_vision_model
 from yatt_hpc.weight_group import BucketManifest, PairGroup, Rendezvous
+
+# A micro-batch sheds its finished rows once they are at least 1/COMPACT_FRACTION of the rows it still computes.
+COMPACT_FRACTION = 8
 
 
 class HFEngine(BaseEngine):
@@ -169,9 +175,10 @@ class HFEngine(BaseEngine):
         cache = preallocated_cache(self._model.config, input_ids.shape[1] + steps)
         stop_ids = self._stop_ids.to(device)
         results: list[GenerationResult | None] = [None] * rows
+        present = torch.arange(rows, device=device)  # the micro-batch's rows still computed, in cache order
 
         def report(finished: torch.Tensor) -> None:
-            for i in finished.nonzero().flatten().tolist():
+            for i in finished.tolist():
                 results[i] = self._result(requests[i], tokens[i, : length[i]], logprobs[i, : length[i]],
                                           bool(stopped[i]), bool(done[i]))
                 if on_result is not None:
@@ -182,19 +189,31 @@ class HFEngine(BaseEngine):
                 break
             logits = self._forward(input_ids, mask, positions, cache, prefill if step == 0 else {})
             ACTIVITY.progress()  # one decode step: the health monitor sees a long generation move
-            tokens[:, step], logprobs[:, step] = sample_next_tokens(logits, temperature, top_p, uniforms[:, step])
-            length += (~done).long()
-            stopped |= ~done & torch.isin(tokens[:, step], stop_ids)
-            ended = ~done & (stopped | (length >= limit))  # the rows that finish at this step
-            done |= ended
+            token, logprob = sample_next_tokens(logits, temperature, top_p, uniforms[:, step])
+            tokens[present, step], logprobs[present, step] = token, logprob
+            running = ~done[present]
+            length[present] += running.long()
+            stop_now = running & torch.isin(token, stop_ids)
+            end_now = running & (stop_now | (length[present] >= limit))  # the rows that finish at this step
+            stopped[present] |= stop_now
+            done[present] |= end_now
             if on_result is not None:
-                report(ended)
+                report(present[end_now])
             if bool(done.all()):
                 break
-            input_ids = tokens[:, step : step + 1]
+            input_ids = token[:, None]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[..., -1:] + 1
-        report(torch.tensor([r is None for r in results]))  # the rest: all of them without on_result, or aborted
+            finished = int(done[present].sum())
+            if finished and finished * COMPACT_FRACTION >= len(present):
+                # Drop the finished rows from the micro-batch (and from its KV cache): a long-tail
+                # batch then decodes its last rows alone instead of carrying every finished one.
+                keep = (~done[present]).nonzero().squeeze(1)
+                present, input_ids, mask = present[keep], input_ids[keep], mask[keep]
+                positions = positions.index_select(positions.dim() - 2, keep)
+                temperature, top_p, limit, uniforms = temperature[keep], top_p[keep], limit[keep], uniforms[keep]
+                cache.batch_select_indices(keep)
+        report(torch.tensor([i for i, r in enumerate(results) if r is None], dtype=torch.long))
         return results  # type: ignore[return-value]
 
     def _vision_prefill(self, requests: list[GenerationRequest], input_ids: torch.Tensor,

@@ -70,6 +70,18 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows `indices` (new, smaller buffers; the filled positions copied once)."""
+        if not self.is_initialized:
+            return
+        end = self._filled
+        keys, values = self._keys.new_empty((len(indices), *self._keys.shape[1:])), \
+            self._values.new_empty((len(indices), *self._values.shape[1:]))
+        keys[..., :end, :] = self._keys[indices, ..., :end, :]
+        values[..., :end, :] = self._values[indices, ..., :end, :]
+        self._keys, self._values = keys, values
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+
 
 def preallocated_cache(config, capacity: int) -> DynamicCache:
     """`DynamicCache(config=config)` whose full-attention layers are `PreallocatedLayer`s of `capacity`
