@@ -35,10 +35,10 @@ from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
 
 NOTES = ("Tiny random policy/judge with a tuned eos rate (lengths above); 4 ranks on 2 cores. What partial can "
          "hide is at most colocate's reward phase (about a quarter of rollout+reward here). Chunked streaming "
-         "(--chunks, not run by make bench) pays for its chunks: the HF engine keeps finished rows in a "
-         "micro-batch until its longest row ends, so rollout.stream_chunk chunks of a long-tail "
-         "batch cost more decode steps in total than two 64-row micro-batches; a "
-         "continuous-batching engine (SGLang) does not have that cost.")
+         "(--chunks, not run by make bench) pays for its chunks: each rollout.stream_chunk chunk is its own "
+         "engine call that decodes until its own longest row, so a long-tail batch pays its tail once per "
+         "chunk (stream_chunk 32: 1.78x colocate's rollout+reward, one run); a continuous-batching engine "
+         "(SGLang) does not have that cost.")
 
 
 def build_models(root: Path, eos_rate: float) -> dict[str, str]:
@@ -123,8 +123,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4, help="steps per run; the first is dropped as warm-up")
     ap.add_argument("--chunks", type=int, nargs="*", default=[],
-                    help="also run partial with these rollout.stream_chunk values (chunked streaming: 1.8x colocate's "
-                         "rollout+reward at 16 when last measured, so make bench leaves it out)")
+                    help="also run partial with these rollout.stream_chunk values (chunked streaming: 1.78x colocate's "
+                         "rollout+reward at 32 when last measured, so make bench leaves it out)")
     ap.add_argument("--partial-set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides for the partial runs only (experiments: e.g. placement.rollout.cpus_per_task=2)")
     ap.add_argument("--eos-rate", type=float, default=0.02, help="per-token P(eos) of the policy")
