@@ -109,21 +109,45 @@ class GenRMController(BaseController):
                 (owner, sent, _), source = recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_END)
                 waves[int(owner)].on_end(source, int(sent))
                 continue
-            batch, source = recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES)
-            owner = int(batch.owner[0])
-            if waves[owner].on_samples(source, len(batch)):
-                wanted = waves[owner].wanted(batch.prompt_id)  # never score more groups than the target needs
-                self.stats.add("unused", len(batch) - len(wanted))
-                batch = batch.select(wanted)
-                self.stats.hold(len(batch))
-                with self.stats.phase("reward"):
-                    scored = self.score(batch.sorted_by_id())
-                self.stats.add("scored", len(scored))
-                parts[owner].append(scored)
-                waves[owner].on_scored(np.unique(scored.prompt_id))
-                self.advance(owner, waves[owner], parts[owner], sender)
-            else:  # a straggler of a replica whose target is met: dropped unscored, its prompt is reused
-                self.stats.add("unused", len(batch))
+            accepted: dict[int, list[SampleBatch]] = {}
+            for batch, source in self.arrivals():
+                owner = int(batch.owner[0])
+                if waves[owner].on_samples(source, len(batch)):
+                    accepted.setdefault(owner, []).append(batch)
+                else:  # a straggler of a replica whose target is met: dropped unscored, its prompt is reused
+                    self.stats.add("unused", len(batch))
+            if accepted:
+                self.score_arrived(accepted, waves, parts, sender)
+
+    def arrivals(self) -> list[tuple[SampleBatch, int]]:
+        """The next batch of samples (waited for), and every other one already here when the reward
+        cannot depend on how rows are grouped into judge calls (rule terms, greedy verdicts): a GenRM
+        behind a stream of finished groups then scores its backlog in one call, not one call per group."""
+        arrived = [recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES)]
+        if self.judge is None or self.judge.temperature == 0:
+            while self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_SAMPLES):
+                arrived.append(recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES))
+        return arrived
+
+    def score_arrived(self, accepted: dict[int, list[SampleBatch]], waves: dict[int, ReplicaWave],
+                      parts: dict[int, list[SampleBatch]], sender: StreamSender) -> None:
+        """Score the accepted samples in one call, then hand each replica its share."""
+        chosen = []
+        for owner, batches in accepted.items():
+            batch = SampleBatch.concat(batches)
+            wanted = waves[owner].wanted(batch.prompt_id)  # never score more groups than the target needs
+            self.stats.add("unused", len(batch) - len(wanted))
+            chosen.append(batch.select(wanted))
+        batch = SampleBatch.concat(chosen)
+        self.stats.hold(len(batch))
+        with self.stats.phase("reward"):
+            scored = self.score(batch.sorted_by_id())
+        self.stats.add("scored", len(scored))
+        for owner in accepted:
+            mine = scored.select(np.flatnonzero(scored.owner == owner))
+            parts[owner].append(mine)
+            waves[owner].on_scored(np.unique(mine.prompt_id))
+            self.advance(owner, waves[owner], parts[owner], sender)
 
     def advance(self, owner: int, wave: ReplicaWave, parts: list[SampleBatch], sender: StreamSender) -> None:
         """Once the target is met: STOP to the rollout ranks holding the rest, kept groups to the owner."""
