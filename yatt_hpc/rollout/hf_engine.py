@@ -162,16 +162,14 @@ class HFEngine(BaseEngine):
         prefill = {}
         if self._vision is not None:
             positions, prefill = self._vision_prefill(requests, input_ids, mask)
-        temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=device)
-        top_p = torch.tensor([r.top_p for r in requests], dtype=torch.float32, device=device)
+        temperature, top_p = (torch.tensor([getattr(r, k) for r in requests], dtype=torch.float32, device=device)
+                              for k in ("temperature", "top_p"))
         limit = torch.tensor([r.max_new_tokens for r in requests], device=device)
         uniforms = draw_uniforms(requests, self._seed).to(device)
         steps = uniforms.shape[1]
-        tokens = torch.zeros(rows, steps, dtype=torch.long, device=device)
-        logprobs = torch.zeros(rows, steps, dtype=torch.float32, device=device)
+        tokens, logprobs = (torch.zeros(rows, steps, dtype=t, device=device) for t in (torch.long, torch.float32))
         length = torch.zeros(rows, dtype=torch.long, device=device)
-        stopped = torch.zeros(rows, dtype=torch.bool, device=device)
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        stopped, done = (torch.zeros(rows, dtype=torch.bool, device=device) for _ in range(2))
         cache = preallocated_cache(self._model.config, input_ids.shape[1] + steps)
         stop_ids = self._stop_ids.to(device)
         results: list[GenerationResult | None] = [None] * rows
@@ -205,14 +203,10 @@ class HFEngine(BaseEngine):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[..., -1:] + 1
             finished = int(done[present].sum())
-            if finished and finished * COMPACT_FRACTION >= len(present):
-                # Drop the finished rows from the micro-batch (and from its KV cache): a long-tail
-                # batch then decodes its last rows alone instead of carrying every finished one.
-                keep = (~done[present]).nonzero().squeeze(1)
-                present, input_ids, mask = present[keep], input_ids[keep], mask[keep]
-                positions = positions.index_select(positions.dim() - 2, keep)
-                temperature, top_p, limit, uniforms = temperature[keep], top_p[keep], limit[keep], uniforms[keep]
-                cache.batch_select_indices(keep)
+            if finished and finished * COMPACT_FRACTION >= len(present):  # a long tail decodes its last rows alone
+                positions, present, input_ids, mask, temperature, top_p, limit, uniforms = _shed(
+                    (~done[present]).nonzero().squeeze(1), cache, positions, present, input_ids, mask, temperature,
+                    top_p, limit, uniforms)
         report(torch.tensor([i for i, r in enumerate(results) if r is None], dtype=torch.long))
         return results  # type: ignore[return-value]
 
@@ -398,3 +392,11 @@ class HFEngine(BaseEngine):
                 f"request sample_id={request.sample_id}: prompt ({len(request.prompt_ids)}) + max_new_tokens "
                 f"({request.max_new_tokens}) = {total} exceeds the model's {self._max_positions} positions"
             )
+
+
+def _shed(keep: torch.Tensor, cache: DynamicCache, positions: torch.Tensor, *per_row: torch.Tensor) -> tuple:
+    """Only the rows `keep` of a micro-batch: its KV cache, its positions ([B, W], or M-RoPE's [3, B, W])
+    and each per-row tensor (batch first)."""
+    cache.batch_select_indices(keep)
+    return (positions.index_select(positions.dim() - 2, keep), *(t[keep] for t in per_row))
+
