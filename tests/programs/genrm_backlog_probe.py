@@ -1,9 +1,9 @@
 """One MPI rank (`mpirun -np 1`): a GenRM controller with three sample batches already waiting for it.
 
-    mpirun -np 1 python tests/programs/genrm_backlog_probe.py OUT.json [SET ...]
+    mpirun -np 1 python tests/programs/genrm_backlog_probe.py OUT.json CAP [SET ...]
 
 The batches (two for trainer replica 0, one for replica 1) are sent to this rank itself before it
-looks, so all three are pending. Writes what `arrivals` took, the judge engine's calls, and the
+looks, so all three are pending; `arrivals` may take up to CAP rows. Writes what `arrivals` took, the judge engine's calls, and the
 scores of the batches taken together next to each scored alone (tests/unit/test_genrm_backlog.py).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from mpi4py import MPI
 REPO = Path(__file__).resolve().parents[2]
 
 
-def main(out: str, sets: list[str]) -> None:
+def main(out: str, cap: int, sets: list[str]) -> None:
     import torch
 
     from tests.unit.test_reward_controller import _batch, _recording
@@ -50,7 +50,7 @@ def main(out: str, sets: list[str]) -> None:
     alone = [ctl.score(p.select(np.arange(len(p)))).reward.tolist() for p in parts]
     calls.clear()
     pending = [isend_batch(MPI.COMM_WORLD, 0, TAG_SAMPLES, p) for p in parts]
-    arrived = ctl.arrivals()
+    arrived = ctl.arrivals(cap)
     left = 0
     while MPI.COMM_WORLD.Iprobe(source=0, tag=TAG_SAMPLES):  # what arrivals left waiting: received here
         recv_batch(MPI.COMM_WORLD, 0, TAG_SAMPLES)
@@ -73,4 +73,4 @@ def main(out: str, sets: list[str]) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    main(sys.argv[1], sys.argv[2:])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])

@@ -110,7 +110,8 @@ class GenRMController(BaseController):
                 waves[int(owner)].on_end(source, int(sent))
                 continue
             accepted: dict[int, list[SampleBatch]] = {}
-            for batch, source in self.arrivals():
+            cap = max(w.keep * w.n for w in waves.values())  # one replica's share: what a call may hold
+            for batch, source in self.arrivals(cap):
                 owner = int(batch.owner[0])
                 if waves[owner].on_samples(source, len(batch)):
                     accepted.setdefault(owner, []).append(batch)
@@ -119,14 +120,17 @@ class GenRMController(BaseController):
             if accepted:
                 self.score_arrived(accepted, waves, parts, sender)
 
-    def arrivals(self) -> list[tuple[SampleBatch, int]]:
-        """The next batch of samples (waited for), and every other one already here when the reward
-        cannot depend on how rows are grouped into judge calls (rule terms, greedy verdicts): a GenRM
-        behind a stream of finished groups then scores its backlog in one call, not one call per group."""
+    def arrivals(self, cap: int) -> list[tuple[SampleBatch, int]]:
+        """The next batch of samples (waited for), and others already here while fewer than `cap` rows
+        are taken, when the reward cannot depend on how rows are grouped into judge calls (rule terms,
+        greedy verdicts): a GenRM behind a stream of finished groups then scores its backlog in one call,
+        not one call per group, and still holds no more than one replica's share (plus one batch) at once."""
         arrived = [recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES)]
         if self.judge is None or self.judge.temperature == 0:
-            while self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_SAMPLES):
+            rows = len(arrived[0][0])
+            while rows < cap and self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_SAMPLES):
                 arrived.append(recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES))
+                rows += len(arrived[-1][0])
         return arrived
 
     def score_arrived(self, accepted: dict[int, list[SampleBatch]], waves: dict[int, ReplicaWave],
