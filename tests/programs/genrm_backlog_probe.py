@@ -3,8 +3,9 @@
     mpirun -np 1 python tests/programs/genrm_backlog_probe.py OUT.json CAP [SET ...]
 
 The batches (two for trainer replica 0, one for replica 1) are sent to this rank itself before it
-looks, so all three are pending; `arrivals` may take up to CAP rows. Writes what `arrivals` took, the judge engine's calls, and the
-scores of the batches taken together next to each scored alone (tests/unit/test_genrm_backlog.py).
+looks, so all three are pending; `arrivals` may take up to CAP rows. Writes what `arrivals` took,
+the judge engine's calls, and the scores of the batches taken together next to each scored alone
+(tests/unit/test_genrm_backlog.py).
 """
 from __future__ import annotations
 
