@@ -52,12 +52,13 @@ PROMPTS_PER_STEP = 16
 SHAPES = {"demo": {"steps": 30, "max_new_tokens": 12, "model": None},
           "wide": {"steps": 6, "max_new_tokens": 48, "model": {"n_embd": 256, "n_layer": 4, "n_head": 4, "n_positions": 128}}}
 STEP_TARGET, START_TARGET = 0.8, 1.2
-NOTES = ("Same machine, the sides taking turns. yatt-hpc runs its 4-rank demo layout on the 2 cores (2 trainer ranks, "
-         "1 rollout engine, 1 GenRM rank scoring by rule, taking the cores in turn); TRL is one process with torch's "
-         "default threads. A step is generation + reward + reference and policy passes + optimizer step on both sides; "
-         "yatt-hpc's also moves the batch between ranks and syncs the weights to the rollout engine. Same rule on the "
-         "same prompts: the demo curves differ only by sampling; the random wide policy never reverses a word, so its "
-         "reward is 0 on both sides (its step still does all the work: advantages are 0, not skipped).")
+NOTES = ('Same machine, the sides taking turns. yatt-hpc runs its 4-rank demo layout on the 2 cores (2 trainer ranks, '
+         'each passing its 64 samples in one micro-batch as TRL passes its 128 in one, 1 rollout engine, 1 GenRM rank '
+         "scoring by rule, taking the cores in turn); TRL is one process with torch's default threads. A step is "
+         "generation + reward + reference and policy passes + optimizer step on both sides; yatt-hpc's also moves the "
+         'batch between ranks and syncs the weights to the rollout engine. Same rule on the same prompts: the demo '
+         'curves differ only by sampling; the random wide policy never reverses a word, so its reward is 0 on both sides'
+         ' (its step still does all the work: advantages are 0, not skipped).')
 
 
 def build_model(root: Path, shape: dict) -> tuple[str, str]:
@@ -119,7 +120,9 @@ def first_time(lines: list[str], pattern: str) -> float | None:
 
 def run_yatt(model: str, shape: dict, root: Path, tag: str) -> dict:
     run_dir = root / f"yatt-{tag}"
-    sets = {"reward.mode": "rule_only", "model.path": model, "train.steps": shape["steps"],
+    # each trainer rank passes its share of the step (64 of 128 samples) in one micro-batch, as TRL
+    # passes its 128 in one (per_device_train_batch_size=128): the demo config's 32 is a memory setting
+    sets = {"reward.mode": "rule_only", "model.path": model, "train.steps": shape["steps"], "train.micro_batch_size": 64,
             "rollout.max_new_tokens": shape["max_new_tokens"], "checkpoint.interval": 0,
             "logging.tensorboard": False, "logging.progress": False}
     argv = [str(Path(PYTHON).parent / "yatt-hpc"), "run", CONFIG, "--run-dir", str(run_dir)]

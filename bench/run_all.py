@@ -1,6 +1,6 @@
 """Run every benchmark B1..B9 and refresh the generated part of BENCHMARKS.md (what `make bench` does).
 
-    .venv/bin/python bench/run_all.py                     # all of them, ~25 min on the 2-core dev machine
+    .venv/bin/python bench/run_all.py                     # all of them, 12-15 min on the 2-core dev machine
     .venv/bin/python bench/run_all.py --only B3 B5        # a subset; the others keep their last JSON
     .venv/bin/python bench/run_all.py --render-only       # rewrite BENCHMARKS.md from bench/results/*.json
 
