@@ -116,8 +116,11 @@ def long_tail_models(tiny_models, tmp_path_factory):
             "judge": tiny_models["judge"]}
 
 
-def test_finished_groups_are_scored_while_the_long_tail_still_decodes(mpirun, long_tail_models, tmp_path):
-    extra = ("--set", "rollout.streaming=finished_groups", "--set", "rollout.max_new_tokens=64")
+@pytest.mark.parametrize("streaming", ["finished_groups", "finished_samples"])
+def test_finished_groups_are_scored_while_the_long_tail_still_decodes(mpirun, long_tail_models, tmp_path, streaming):
+    # finished_samples: groups reach GenRM in pieces and the trainers still get them whole
+    # (ReplicaWave's per-sample count: tests/unit/test_overdispatch.py)
+    extra = ("--set", f"rollout.streaming={streaming}", "--set", "rollout.max_new_tokens=64")
     proc = run_mode(tmp_path, long_tail_models, "partial", extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -66,6 +66,15 @@ def test_refused_values_name_the_field_and_the_fix(override, needles):
         assert needle in str(err.value), str(err.value)
 
 
+def test_streaming_by_sample_is_refused_beside_over_dispatch():
+    with pytest.raises(ConfigError) as err:
+        _cfg("rollout.streaming=finished_samples", "rollout.over_dispatch_ratio=1.5", config="partial_cpu.yaml")
+    for needle in ("rollout.streaming=finished_samples", "rollout.over_dispatch_ratio=1.5",
+                   "rollout.streaming=finished_groups", "rollout.over_dispatch_ratio=1.0"):
+        assert needle in str(err.value), str(err.value)
+    assert _cfg("rollout.streaming=finished_samples", config="partial_cpu.yaml").rollout.streaming == "finished_samples"
+
+
 def test_accepted_neighbours_of_the_refused_values_load():
     cfg = _cfg("rollout.top_p=1.0", "model.dtype=bfloat16", "checkpoint.stop_grace_s=89", "slurm.time='90'")
     assert (cfg.rollout.top_p, cfg.model.dtype, cfg.checkpoint.stop_grace_s, cfg.slurm.time) == \

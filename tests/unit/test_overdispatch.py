@@ -91,20 +91,20 @@ def test_wave_without_over_dispatch_ends_when_every_counted_sample_arrived():
     w = ReplicaWave(keep=2, n=2, expected={10: 2, 11: 2, 12: 0}, handshake=False)
     assert w.expected == {10: 2, 11: 2}      # ranks without work are not waited for
     assert w.on_samples(10, 2) and not w.finished
-    w.on_scored([4])
+    w.on_scored([4, 4])
     assert not w.target_reached and not w.should_stop()
     assert w.on_samples(11, 2)
-    w.on_scored([6])
+    w.on_scored([6, 6])
     assert w.target_reached and w.finished and w.kept() == [4, 6] and not w.should_stop()
 
 
 def test_over_dispatched_wave_stops_once_then_drains_by_the_sent_counts():
     w = ReplicaWave(keep=2, n=2, expected={10: 4, 11: 2}, handshake=True)   # 3 groups for 2
     assert w.on_samples(11, 2)
-    w.on_scored([8])
+    w.on_scored([8, 8])
     assert not w.should_stop()
     assert w.on_samples(10, 2)
-    w.on_scored([2])
+    w.on_scored([2, 2])
     assert w.target_reached and w.should_stop()
     assert w.stop_targets() == [10, 11] and not w.should_stop()    # STOP goes out once
     assert w.kept() == [2, 8]
@@ -194,7 +194,24 @@ def test_genrm_scores_only_the_groups_the_target_still_needs():
     prompts = np.array([7, 7, 3, 3, 9, 9, 5, 5])
     assert w.on_samples(10, 8)
     assert w.wanted(prompts).tolist() == [2, 3, 6, 7]      # groups 3 and 5, the lowest two
-    w.on_scored([3])
+    w.on_scored([3, 3])
     assert w.wanted(prompts).tolist() == [2, 3]
-    w.on_scored([5])
+    w.on_scored([5, 5])
     assert w.wanted(prompts).tolist() == []
+
+
+def test_samples_streamed_one_by_one_complete_their_groups_before_new_groups_are_taken():
+    # rollout.streaming=finished_samples: a group arrives in pieces; it counts as scored once all n
+    # of its samples are, and a group begun is always finished before the target takes new ones
+    w = ReplicaWave(keep=2, n=3, expected={10: 6}, handshake=False)
+    assert w.on_samples(10, 2)
+    assert w.wanted(np.array([4, 7])).tolist() == [0, 1]
+    w.on_scored([4, 7])
+    assert w.scored_groups == set() and not w.target_reached
+    assert w.wanted(np.array([9, 4, 4, 7])).tolist() == [1, 2, 3]   # group 9 would be a third
+    w.on_scored([4, 4, 7])
+    assert w.scored_groups == {4} and not w.target_reached
+    w.on_scored([7])
+    assert w.target_reached and w.kept() == [4, 7]
+    with pytest.raises(AssertionError):
+        w.on_scored([7])                     # more samples than the group has

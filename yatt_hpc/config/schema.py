@@ -202,12 +202,15 @@ class RolloutConfig(Section):
     """In `partial` and `disjoint` placement, samples are generated and streamed to GenRM in chunks
     of this many, rounded down to whole prompt groups (at least one), so scoring overlaps generation
     (`colocate` sends each replica's batch whole)."""
-    streaming: Literal["chunks", "finished_groups"] = "chunks"
+    streaming: Literal["chunks", "finished_groups", "finished_samples"] = "chunks"
     """What a rollout rank streams to GenRM in `partial`/`disjoint`: `chunks` generates stream_chunk
     samples at a time, in sample-id order; `finished_groups` hands the engine the whole wave at once
     and sends each prompt group the moment its last sample finishes, so scoring overlaps the long
     tail without cutting the engine's batch (which groups finish first depends on the responses:
-    with over-dispatch, which prompts make a step then depends on timing too)."""
+    with over-dispatch, which prompts make a step then depends on timing too); `finished_samples`
+    does the same with each sample (those finished together go in one message), so GenRM starts
+    with the first short response, not the first whole group; groups still reach the trainer whole.
+    Not with over-dispatch (which keeps the first groups to finish whole)."""
     stream_queue: int = Field(4, ge=1)
     """Chunks a rollout rank may have in flight to GenRM before it waits (backpressure)."""
     over_dispatch_ratio: float = Field(1.0, ge=1.0, le=4.0)
@@ -220,6 +223,16 @@ class RolloutConfig(Section):
     or `least_loaded` (per wave, every group to the least-loaded rollout rank by estimated tokens)."""
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     """Dynamic sampling (off by default)."""
+
+    @model_validator(mode="after")
+    def _samples_stream_alone(self) -> RolloutConfig:
+        if self.streaming == "finished_samples" and self.over_dispatch_ratio > 1.0:
+            raise ValueError(f"rollout.streaming=finished_samples with rollout.over_dispatch_ratio="
+                             f"{self.over_dispatch_ratio:g}: over-dispatch keeps the first prompt groups to finish "
+                             "whole, and samples streamed one by one would have GenRM score groups it then drops; "
+                             "use rollout.streaming=finished_groups with over-dispatch, or "
+                             "rollout.over_dispatch_ratio=1.0")
+        return self
 
     @field_validator("top_p")
     @classmethod

@@ -150,7 +150,7 @@ class GenRMController(BaseController):
         for owner in accepted:
             mine = scored.select(np.flatnonzero(scored.owner == owner))
             parts[owner].append(mine)
-            waves[owner].on_scored(np.unique(mine.prompt_id))
+            waves[owner].on_scored(mine.prompt_id)
             self.advance(owner, waves[owner], parts[owner], sender)
 
     def advance(self, owner: int, wave: ReplicaWave, parts: list[SampleBatch], sender: StreamSender) -> None:

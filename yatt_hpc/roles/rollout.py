@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -39,6 +40,7 @@ from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.rollout import GenerationRequest, GenerationResult, build_engine
 from yatt_hpc.runtime.rank_stats import RankStats
+from yatt_hpc.sched.finished import FinishedResults
 from yatt_hpc.sched.overdispatch import RolloutWork
 from yatt_hpc.sched.routing import Routes
 
@@ -52,7 +54,8 @@ class RolloutController(BaseController):
         self.routes = Routes(world.plan)
         self.colocate = world.plan.mode == "colocate"
         self.handshake = cfg.rollout.over_dispatch_ratio > 1.0  # STOP/END with GenRM (over-dispatch)
-        self.streaming = cfg.rollout.streaming == "finished_groups" and not self.colocate
+        # finished_groups / finished_samples: the whole wave in one engine call, streamed as it finishes
+        self.streaming = None if self.colocate or cfg.rollout.streaming == "chunks" else cfg.rollout.streaming
         self.engine = build_engine(cfg.rollout.engine, cfg.model.path, device=rank_device(world),
                                    tp_size=world.plan.group("rollout").size("tp"), seed=cfg.train.seed,
                                    **rollout_engine_options(world, cfg))
@@ -91,8 +94,8 @@ class RolloutController(BaseController):
         prompts = SampleBatch.concat(incoming).sorted_by_id()
         # colocate: the whole batch, then GenRM takes the devices; otherwise stream chunks of whole
         # groups so that scoring overlaps generation (bounded by stream_queue chunks in flight), or,
-        # with rollout.streaming=finished_groups, the whole wave in one engine call and each group
-        # the moment its samples are done. In colocation every send must be in flight before the
+        # with rollout.streaming=finished_groups (finished_samples), the whole wave in one engine call
+        # and each group (sample) the moment it is done. In colocation every send must be in flight before the
         # gate, where GenRM starts receiving.
         n = self.cfg.rollout.samples_per_prompt
         whole = self.colocate or self.streaming
@@ -137,37 +140,38 @@ class RolloutController(BaseController):
         """`rollout.streaming=finished_groups`: one engine call for the chunk; a helper thread sends
         each prompt group to its GenRM rank as soon as the engine reports its last sample finished
         (and, with over-dispatch, takes the STOPs, aborting the engine once every owner is stopped).
-        While the engine runs only the helper talks MPI. Returns the samples sent."""
-        n = self.cfg.rollout.samples_per_prompt
+        `finished_samples`: finished samples, a group's worth at a time (`sched/finished.py`). While
+        the engine runs only the helper talks MPI. Returns the samples sent."""
         row_of = {int(sid): i for i, sid in enumerate(chunk.sample_id)}
+        stream = FinishedResults(lambda sid: int(chunk.prompt_id[row_of[sid]]), self.cfg.rollout.samples_per_prompt,
+                                 by_sample=self.streaming == "finished_samples")
         finished: queue.SimpleQueue = queue.SimpleQueue()
         owners = {int(o) for o in np.unique(chunk.owner)}
         sent, failure = [0], []
 
-        def send_group(results: list[GenerationResult]) -> None:
-            part = self.fill(chunk.select(np.array(sorted(row_of[r.sample_id] for r in results))),
-                             {r.sample_id: r for r in results})
-            owner = int(part.owner[0])
-            if owner not in work.stopped:
-                sender.send(self.genrm_of(owner), TAG_SAMPLES, part)
-                work.mark_sent(owner, len(part))
-                sent[0] += len(part)
+        def send(results: list[GenerationResult]) -> None:
+            """Each owner's part of `results` to its GenRM rank, unless the owner was stopped."""
+            for owner in sorted({int(chunk.owner[row_of[r.sample_id]]) for r in results}):
+                part = self.fill(chunk.select(np.array(sorted(row_of[r.sample_id] for r in results
+                                                              if int(chunk.owner[row_of[r.sample_id]]) == owner))),
+                                 {r.sample_id: r for r in results})
+                if owner not in work.stopped:
+                    sender.send(self.genrm_of(owner), TAG_SAMPLES, part)
+                    work.mark_sent(owner, len(part))
+                    sent[0] += len(part)
 
         def pump() -> None:
-            groups: dict[int, list[GenerationResult]] = {}
             try:
                 while True:
                     try:  # wake now and then without a finished sample: STOPs arrive meanwhile
                         result = finished.get(timeout=0.005)
                     except queue.Empty:
                         result = False
-                    if result is None:  # the engine call returned and every result was taken
+                    more, ended = _drain(finished) if result is not None else ([], True)
+                    for results in stream.take([r for r in (result, *more) if r], time.monotonic(), ended):
+                        send(results)
+                    if ended:  # the engine call returned and every result was taken
                         return
-                    if result:
-                        group = groups.setdefault(int(chunk.prompt_id[row_of[result.sample_id]]), [])
-                        group.append(result)
-                        if len(group) == n:
-                            send_group(group)
                     if self.handshake:
                         self.stops.poll(lambda owner: self.stop_owner(work, owner), owners, work.stopped)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the loop thread below
@@ -251,6 +255,19 @@ class RolloutController(BaseController):
 
     def after_resume(self, step: int) -> None:
         self.receive_weights()  # the trainer sends its restored weights
+
+
+def _drain(finished: queue.SimpleQueue) -> tuple[list[GenerationResult], bool]:
+    """Every result already queued, and whether the end mark (None) was among them."""
+    got = []
+    while True:
+        try:
+            item = finished.get_nowait()
+        except queue.Empty:
+            return got, False
+        if item is None:
+            return got, True
+        got.append(item)
 
 
 class StopWatch:

@@ -82,7 +82,8 @@ class ReplicaWave:
     handshake: bool
     received: dict[int, int] = field(default_factory=dict)
     ended: dict[int, int] = field(default_factory=dict)
-    scored_groups: set[int] = field(default_factory=set)
+    scored_groups: set[int] = field(default_factory=set)  # every sample scored
+    scored_samples: dict[int, int] = field(default_factory=dict)  # samples scored per group begun
     stopped: bool = False
     delivered: bool = False
 
@@ -100,12 +101,20 @@ class ReplicaWave:
         return not self.target_reached
 
     def wanted(self, prompt_ids: np.ndarray) -> np.ndarray:
-        """Indices of the samples worth scoring: the lowest groups, as many as the target still needs."""
-        groups = np.unique(prompt_ids)[: max(self.keep - len(self.scored_groups), 0)]
-        return np.flatnonzero(np.isin(prompt_ids, groups))
+        """Indices of the samples worth scoring: every sample of a group begun already (streamed by
+        sample), then the lowest new groups, as many as the target still needs."""
+        open_groups = np.array(sorted(set(self.scored_samples) - self.scored_groups), dtype=np.int64)
+        fresh = np.setdiff1d(np.unique(prompt_ids), open_groups)[: max(self.keep - len(self.scored_samples), 0)]
+        return np.flatnonzero(np.isin(prompt_ids, open_groups) | np.isin(prompt_ids, fresh))
 
-    def on_scored(self, groups) -> None:
-        self.scored_groups.update(int(g) for g in groups)
+    def on_scored(self, prompt_ids) -> None:
+        """One prompt id per scored sample; a group counts as scored once all n of its samples are."""
+        groups, counts = np.unique(np.asarray(prompt_ids, dtype=np.int64), return_counts=True)
+        for g, c in zip(groups.tolist(), counts.tolist()):
+            self.scored_samples[g] = self.scored_samples.get(g, 0) + c
+            assert self.scored_samples[g] <= self.n, (g, self.scored_samples[g], self.n)
+            if self.scored_samples[g] == self.n:
+                self.scored_groups.add(g)
 
     @property
     def target_reached(self) -> bool:
