@@ -161,6 +161,7 @@ class RolloutController(BaseController):
                     sent[0] += len(part)
 
         def pump() -> None:
+            ended = False
             try:
                 while True:
                     try:  # wake now and then without a finished sample: STOPs arrive meanwhile
@@ -177,7 +178,7 @@ class RolloutController(BaseController):
             except BaseException as exc:  # noqa: BLE001 - re-raised on the loop thread below
                 failure.append(exc)
                 self.engine.abort()
-                while finished.get() is not None:  # let the engine call finish
+                while not ended and finished.get() is not None:  # let the engine call finish (if it has not)
                     pass
 
         helper = threading.Thread(target=pump, name="group-streamer", daemon=True)
