@@ -116,7 +116,8 @@ def test_load_from_starts_fresh_with_another_runs_weights(demo_run, tmp_path):
 def test_sampling_temperature_is_the_temperature_the_trainer_scores_at(tmp_path):
     """At rollout.temperature 0.7 the trainer's logprobs of the sampled tokens are the engine's (they
     were 1.65-1.93 nats apart when the trainer always scored at temperature 1). Scoring by rule only,
-    the GenRM rank runs, checkpoints at the end and exits without ever importing torch."""
+    the GenRM rank runs, checkpoints at the end and exits without ever importing torch; the trainers
+    without torch._dynamo."""
     proc = yatt_run(tmp_path / "run", "--set", "train.steps=1", "--set", "rollout.temperature=0.7",
                     "--set", "reward.mode=rule_only")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -124,6 +125,9 @@ def test_sampling_temperature_is_the_temperature_the_trainer_scores_at(tmp_path)
     assert rows[0]["train/rollout_logp_diff_max"] < 1e-4
     genrm_log = (tmp_path / "run" / "logs" / "rank-0003-genrm.log").read_text()
     assert "done: complete (loaded: no torch)" in genrm_log, genrm_log[-2000:]
+    # a trainer steps its optimizer and checkpoints without ever importing torch._dynamo (train/adamw.py)
+    trainer_log = (tmp_path / "run" / "logs" / "rank-0000-trainer.log").read_text()
+    assert "done: complete (loaded: torch, transformers, megatron.core)" in trainer_log, trainer_log[-2000:]
     assert (tmp_path / "run" / "checkpoints" / "step-1" / "COMMITTED").exists()
 
 

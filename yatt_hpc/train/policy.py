@@ -1,4 +1,4 @@
-"""The trainer's policy: a Megatron-Core GPTModel shard, AdamW, and one GRPO update on a batch.
+"""The trainer's policy: a Megatron-Core GPTModel shard, AdamW (`train/adamw.py`), and one GRPO update on a batch.
 
     policy = MegatronPolicy.from_hf(model_dir, tp_rank, tp_size, cfg.train)   # after initialize_model_parallel
     stats = policy.update(batch, advantages, global_tokens)                   # samples of this DP replica
@@ -37,6 +37,7 @@ from yatt_hpc.batch import SampleBatch
 from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.offload import HostParking
 from yatt_hpc.train import convert, megatron_model
+from yatt_hpc.train.adamw import AdamW
 from yatt_hpc.train.grpo import policy_loss
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
@@ -81,8 +82,8 @@ class MegatronPolicy:
         # fp32 masters for a bf16 model (the optimizer's parameters); the model's own otherwise
         self.master = {name: _master_copy(p) for name, p in self.named_params.items()} if self.mixed \
             else self.named_params
-        self.optimizer = torch.optim.AdamW(self.master.values(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                           betas=(0.9, 0.999), eps=1e-8)
+        self.optimizer = AdamW(self.master.values(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                               betas=(0.9, 0.999), eps=1e-8)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         # the rollout's sampling temperature: logprobs score the distribution the tokens came from
