@@ -117,7 +117,7 @@ def test_sampling_temperature_is_the_temperature_the_trainer_scores_at(tmp_path)
     """At rollout.temperature 0.7 the trainer's logprobs of the sampled tokens are the engine's (they
     were 1.65-1.93 nats apart when the trainer always scored at temperature 1). Scoring by rule only,
     the GenRM rank runs, checkpoints at the end and exits without ever importing torch; the trainers
-    without torch._dynamo."""
+    without torch._dynamo or transformers, the rollout engine with torch alone."""
     proc = yatt_run(tmp_path / "run", "--set", "train.steps=1", "--set", "rollout.temperature=0.7",
                     "--set", "reward.mode=rule_only")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -126,8 +126,11 @@ def test_sampling_temperature_is_the_temperature_the_trainer_scores_at(tmp_path)
     genrm_log = (tmp_path / "run" / "logs" / "rank-0003-genrm.log").read_text()
     assert "done: complete (loaded: no torch)" in genrm_log, genrm_log[-2000:]
     # a trainer steps its optimizer and checkpoints without ever importing torch._dynamo (train/adamw.py)
+    # or transformers (the demo's config.json read as written); the engine serves the demo's GPT-2 natively
     trainer_log = (tmp_path / "run" / "logs" / "rank-0000-trainer.log").read_text()
-    assert "done: complete (loaded: torch, transformers, megatron.core)" in trainer_log, trainer_log[-2000:]
+    assert "done: complete (loaded: torch, megatron.core)" in trainer_log, trainer_log[-2000:]
+    rollout_log = (tmp_path / "run" / "logs" / "rank-0002-rollout.log").read_text()
+    assert "with the native GPT-2 forward" in rollout_log and "done: complete (loaded: torch)" in rollout_log
     assert (tmp_path / "run" / "checkpoints" / "step-1" / "COMMITTED").exists()
 
 

@@ -118,12 +118,14 @@ def test_decode_attention_leaves_a_prefill_to_sdpa():
 
 
 def test_an_engine_model_decodes_with_it_and_keeps_the_teacher_forced_logprobs():
-    """The HF engine's sampled logprobs equal a cache-free forward of transformers' own model (SDPA)."""
+    """The HF engine's sampled logprobs equal a cache-free forward of transformers' own model (SDPA). The
+    engine serves the demo's GPT-2 from its directory natively (native_gpt2.py); an in-memory model goes
+    through transformers, with this module's paths."""
     from yatt_hpc.rollout import GenerationRequest
     from yatt_hpc.rollout.hf_engine import HFEngine
 
-    engine = HFEngine(DEMO)
-    assert engine._model.config._attn_implementation == DECODE_ATTENTION
+    engine = HFEngine(AutoModelForCausalLM.from_pretrained(DEMO))
+    assert not engine._native and engine._model.config._attn_implementation == DECODE_ATTENTION
     reference = AutoModelForCausalLM.from_pretrained(DEMO).eval()
     assert reference.config._attn_implementation == "sdpa"
     prompts = [np.array([5, 6, 7, 8, 9], np.int32), np.array([11, 12], np.int32)]  # ragged: left padding

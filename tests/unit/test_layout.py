@@ -14,13 +14,13 @@ ALLOWED = {
     "sched": {"placement"},
     "comm": {"sched", "placement", "batch", "activity", "weight_group"},
     "roles": {"comm", "sched", "batch", "activity", "ckpt", "config", "data", "errors", "placement", "reward",
-              "rollout", "train", "runtime", "vision"},  # runtime: RankStats, the per-rank stats it reports to
+              "rollout", "train", "runtime", "vision", "hf_config"},  # runtime: RankStats, the per-rank stats it reports to
     "runtime": {"roles", "comm", "sched", "batch", "activity", "ckpt", "config", "data", "errors", "launch",
                 "metrics", "placement"},
     "demo": set(),
     "rollout": {"activity", "offload", "vision", "weight_group"},  # engines join a weight pair's group
-    "train": {"activity", "batch", "config", "offload", "vision"},
-    "reward": {"rollout", "data", "vision"},  # the judge runs on a rollout engine with the tokenizer data/ loads
+    "train": {"activity", "batch", "config", "offload", "vision", "hf_config"},
+    "reward": {"rollout", "data", "vision", "hf_config"},  # the judge runs on a rollout engine with the tokenizer data/ loads
     "data": {"config", "demo", "vision"},
     "vision": set(),  # a leaf: every component may decode images
 }

@@ -66,12 +66,11 @@ class GenRMJudge:
                         **kwargs) -> GenRMJudge:
         """The judge in HF directory `path` (weights, config.json and its tokenizer) on an `engine`;
         `engine_options` go to the engine's constructor (they override `dtype`)."""
-        from transformers import AutoConfig  # imported here: transformers import is slow
-
         from yatt_hpc.data.tokenizer import load_tokenizer
+        from yatt_hpc.hf_config import load_hf_config  # transformers only for what config.json leaves out
 
         tokenizer = load_tokenizer(path)
-        config = AutoConfig.from_pretrained(str(path)).get_text_config()
+        config = load_hf_config(path).get_text_config()
         opts: dict = {"dtype": dtype, **(engine_options or {})}
         if engine == "hf":
             opts.update(max_batch_size=kwargs.get("batch_size", 64), stop_token_ids=list(tokenizer.eos_ids))

@@ -49,6 +49,7 @@ from yatt_hpc.data.consumed import ConsumedLog
 from yatt_hpc.data.prompts import build_prompt_source
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.errors import InputError
+from yatt_hpc.hf_config import load_hf_config
 from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.base import BaseController, rank_device
 from yatt_hpc.roles.colocation import holding_devices
@@ -265,9 +266,7 @@ class TrainerController(BaseController):
     def _build_balancer(self):
         if not self.is_owner or self.cfg.train.balance == "none" or self.routes.dp == 1:
             return None
-        from transformers import AutoConfig
-
-        hidden = AutoConfig.from_pretrained(self.cfg.model.path).get_text_config().hidden_size
+        hidden = load_hf_config(self.cfg.model.path).get_text_config().hidden_size
         return Rebalancer(self.owners_comm, self.world.comm, [self.routes.trainer_owner(d) for d in range(self.routes.dp)],
                           balance_coeff(self.cfg.train, hidden))
 

@@ -36,7 +36,12 @@ new tokens, tiny GPT-2 h32/L2/V64: 36 ms = 28k tok/s vs 47 ms for ``model.genera
   a no-op, because the weights would have to stay in host memory anyway and there is no accelerator
   memory to give back. There is no KV cache between calls (one per micro-batch), so
   ``resume_memory`` only moves the weights back: weights-before-cache holds trivially.
-* The model runs the same function faster (``hf_fast.py``): GPT-2's Python GELU as torch's one kernel,
+* A GPT-2 checkpoint whose config.json states every setting is served by ``native_gpt2.py``: the same
+  function and parameter names in plain torch, without importing transformers (a rollout rank serving
+  the demo is ready ~2.5 s of CPU sooner, and the demo's 4-rank start -> step 1 went 8.0 -> 5.0 s with
+  the trainer's own cuts). Anything else (other architectures, Qwen2-VL, a model built in memory)
+  goes through transformers; the rank's log says which and why.
+* Through transformers, the model runs the same function faster (``hf_fast.py``): GPT-2's Python GELU as torch's one kernel,
   a KV cache written in place instead of re-concatenated every step, and the one-token attention of a
   decode step as two strided ``bmm`` calls instead of SDPA (a 128-row x 48-token decode of a 256-wide
   GPT-2: 2.53 -> 2.00 s, one thread).
@@ -45,12 +50,12 @@ new tokens, tiny GPT-2 h32/L2/V64: 36 ms = 28k tok/s vs 47 ms for ``model.genera
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache
 
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.offload import HostParking
@@ -60,10 +65,12 @@ from yatt_hpc.rollout.engine import (
     GenerationResult,
     validate_bucket,
 )
-from yatt_hpc.rollout.hf_fast import fuse_activations, preallocated_cache, use_decode_attention
+from yatt_hpc.rollout.native_gpt2 import load_native, why_not_native
 from yatt_hpc.rollout.sampling import draw_uniforms, sample_next_tokens
 from yatt_hpc.vision.processor import ImageProcessor, decode_rgb, is_vision_model
 from yatt_hpc.weight_group import BucketManifest, PairGroup, Rendezvous
+
+log = logging.getLogger(__name__)
 
 # A micro-batch sheds its finished rows once they are at least 1/COMPACT_FRACTION of the rows it still computes.
 COMPACT_FRACTION = 8
@@ -92,24 +99,25 @@ class HFEngine(BaseEngine):
         if max_batch_size < 1:
             raise ValueError(f"HFEngine max_batch_size={max_batch_size}; it must be >= 1")
         self._device = torch.device(device)
-        if isinstance(model_dir, torch.nn.Module):  # a model built in memory (tools/make_demo_models.py)
-            model = model_dir if dtype is None else model_dir.to(getattr(torch, dtype))
+        model = None if isinstance(model_dir, torch.nn.Module) else load_native(model_dir, dtype)
+        self._native = model is not None
+        if self._native:  # GPT-2 in plain torch (native_gpt2.py): transformers is never imported
+            self._vision = None
+            self._vocab_size, self._max_positions = model.shape.vocab_size, model.shape.max_positions
+            default_stop = list(model.shape.eos_token_ids)
         else:
-            auto = AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
-            model = auto.from_pretrained(model_dir, dtype=getattr(torch, dtype) if dtype else "auto")
-        fuse_activations(model)  # the same GELU, one kernel (as the trainer's)
-        use_decode_attention(model)  # decode steps' attention as two bmm calls (hf_fast.py)
-        self._vision = ImageProcessor.from_hf_config(model.config) if hasattr(model.config, "vision_config") else None
+            model = self._load_transformers(model_dir, dtype)
+            text = model.config.get_text_config()
+            self._vocab_size, self._max_positions = int(text.vocab_size), getattr(text, "max_position_embeddings", None)
+            default_stop = self._model_eos(model)
+        log.info("engine 'hf' serves %s %s", model_dir if isinstance(model_dir, str) else "an in-memory model",
+                 "with the native GPT-2 forward" if self._native else
+                 f"through transformers ({why_not_native(model_dir) if isinstance(model_dir, str) else 'built in memory'})")
         self._model = model.to(self._device).eval()
         self._seed = seed
         self._max_batch_size = max_batch_size
-        self._vocab_size = int(model.config.get_text_config().vocab_size)
-        self._max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        self._stop_ids = torch.tensor(sorted(self._resolve_stop_ids(stop_token_ids)), dtype=torch.long)
-        params = inspect.signature(model.forward).parameters
-        # transformers 5 renamed past_key_values to cache; take whichever this version has.
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self._keep_last_logits = "logits_to_keep" in params
+        self._stop_ids = torch.tensor(sorted(self._resolve_stop_ids(default_stop if stop_token_ids is None
+                                                                    else stop_token_ids)), dtype=torch.long)
         self._state_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         self._tied = self._tied_name_groups(model)
         self._version = 0
@@ -120,6 +128,26 @@ class HFEngine(BaseEngine):
         self._in_flight = False
         self._abort = threading.Event()
         self._groups: dict[str, PairGroup] = {}  # weight groups joined, by name (one per sending owner)
+
+    def _load_transformers(self, model_dir: str | torch.nn.Module, dtype: str | None) -> torch.nn.Module:
+        """Any other checkpoint (or a model built in memory) through transformers, with hf_fast's paths."""
+        from yatt_hpc.rollout.hf_fast import fuse_activations, use_decode_attention
+
+        if isinstance(model_dir, torch.nn.Module):  # a model built in memory (tools/make_demo_models.py)
+            model = model_dir if dtype is None else model_dir.to(getattr(torch, dtype))
+        else:
+            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+            auto = AutoModelForImageTextToText if is_vision_model(model_dir) else AutoModelForCausalLM
+            model = auto.from_pretrained(model_dir, dtype=getattr(torch, dtype) if dtype else "auto")
+        fuse_activations(model)  # the same GELU, one kernel (as the trainer's)
+        use_decode_attention(model)  # decode steps' attention as two bmm calls (hf_fast.py)
+        self._vision = ImageProcessor.from_hf_config(model.config) if hasattr(model.config, "vision_config") else None
+        params = inspect.signature(model.forward).parameters
+        # transformers 5 renamed past_key_values to cache; take whichever this version has.
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._keep_last_logits = "logits_to_keep" in params
+        return model
 
     # -- generation ---------------------------------------------------------------------------------
 
@@ -170,7 +198,7 @@ class HFEngine(BaseEngine):
         tokens, logprobs = (torch.zeros(rows, steps, dtype=t, device=device) for t in (torch.long, torch.float32))
         length = torch.zeros(rows, dtype=torch.long, device=device)
         stopped, done = (torch.zeros(rows, dtype=torch.bool, device=device) for _ in range(2))
-        cache = preallocated_cache(self._model.config, input_ids.shape[1] + steps)
+        cache = self._new_cache(input_ids.shape[1] + steps)
         stop_ids = self._stop_ids.to(device)
         results: list[GenerationResult | None] = [None] * rows
         present = torch.arange(rows, device=device)  # the micro-batch's rows still computed, in cache order
@@ -232,8 +260,17 @@ class HFEngine(BaseEngine):
             extra["image_grid_thw"] = torch.from_numpy(np.concatenate([g for _, g in with_images])).to(self._device)
         return positions.to(self._device), extra
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache,
+    def _new_cache(self, capacity: int):
+        if self._native:
+            return self._model.new_cache(capacity)
+        from yatt_hpc.rollout.hf_fast import preallocated_cache
+
+        return preallocated_cache(self._model.config, capacity)
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
                  extra: dict | None = None) -> torch.Tensor:
+        if self._native:
+            return self._model.last_logits(input_ids, mask, positions, cache)
         kwargs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": positions, "use_cache": True,
                   **(extra or {})}
         kwargs[self._cache_kwarg] = cache
@@ -340,13 +377,15 @@ class HFEngine(BaseEngine):
             groups[name] = first_by_storage.setdefault(key, name)
         return groups
 
-    def _resolve_stop_ids(self, stop_token_ids: Sequence[int] | None) -> set[int]:
-        if stop_token_ids is None:
-            generation = getattr(self._model, "generation_config", None)
-            eos = getattr(generation, "eos_token_id", None)
-            if eos is None:
-                eos = getattr(self._model.config.get_text_config(), "eos_token_id", None)
-            stop_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    @staticmethod
+    def _model_eos(model: torch.nn.Module) -> list[int]:
+        """A transformers model's eos ids: its generation config's, else its config's."""
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            eos = getattr(model.config.get_text_config(), "eos_token_id", None)
+        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    def _resolve_stop_ids(self, stop_token_ids: Sequence[int]) -> set[int]:
         # An eos id outside the vocabulary can never be sampled (tiny test models keep GPT-2's 50256).
         return {int(t) for t in stop_token_ids if 0 <= int(t) < self._vocab_size}
 
@@ -394,7 +433,7 @@ class HFEngine(BaseEngine):
             )
 
 
-def _shed(keep: torch.Tensor, cache: DynamicCache, positions: torch.Tensor, *per_row: torch.Tensor) -> tuple:
+def _shed(keep: torch.Tensor, cache, positions: torch.Tensor, *per_row: torch.Tensor) -> tuple:
     """Only the rows `keep` of a micro-batch: its KV cache, its positions ([B, W], or M-RoPE's [3, B, W])
     and each per-row tensor (batch first)."""
     cache.batch_select_indices(keep)

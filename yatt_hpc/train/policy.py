@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig
 
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.config.schema import TrainConfig
+from yatt_hpc.hf_config import load_hf_config
 from yatt_hpc.offload import HostParking
 from yatt_hpc.train import convert, megatron_model
 from yatt_hpc.train.adamw import AdamW
@@ -94,7 +94,7 @@ class MegatronPolicy:
     def from_hf(cls, model_dir: str | Path, tp_rank: int, tp_size: int, cfg: TrainConfig,
                 dtype: torch.dtype = torch.float32, temperature: float = 1.0) -> MegatronPolicy:
         model_dir = Path(model_dir)
-        hf_config = AutoConfig.from_pretrained(str(model_dir))
+        hf_config = load_hf_config(model_dir)
         hf_state = load_hf_state_dict(model_dir)
         shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank, tp_size)
         vision = hasattr(hf_config, "vision_config")
