@@ -107,11 +107,14 @@ def test_collective_weight_transport_serves_the_trainers_weights_and_moves_no_te
 
 @pytest.fixture(scope="module")
 def long_tail_models(tiny_models, tmp_path_factory):
-    """A policy whose responses end with P(eos) ~ 8% per token (lengths from 1 to the cap) and the tiny judge."""
+    """A policy whose responses end with P(eos) ~ 3% per token (lengths from 1 to the cap) and the tiny judge.
+    The wave's decode must last well beyond the first groups' (~60 ms of a 32-row wave here with the
+    native engine, the first group done in a few ms): at 8% and a 64-token cap it took 19-22 ms and the
+    sender thread could be scheduled after the last sample."""
     from yatt_hpc.demo.tiny_models import char_gpt2, save_char_model, set_eos_rate
 
-    model = char_gpt2(n_embd=32, n_positions=128, seed=0)
-    set_eos_rate(model, 0.08)
+    model = char_gpt2(n_embd=64, n_positions=256, seed=0)
+    set_eos_rate(model, 0.03)
     return {"policy": save_char_model(model, tmp_path_factory.mktemp("long_tail") / "policy"),
             "judge": tiny_models["judge"]}
 
@@ -120,7 +123,7 @@ def long_tail_models(tiny_models, tmp_path_factory):
 def test_finished_groups_are_scored_while_the_long_tail_still_decodes(mpirun, long_tail_models, tmp_path, streaming):
     # finished_samples: groups reach GenRM in pieces and the trainers still get them whole
     # (ReplicaWave's per-sample count: tests/unit/test_overdispatch.py)
-    extra = ("--set", f"rollout.streaming={streaming}", "--set", "rollout.max_new_tokens=64")
+    extra = ("--set", f"rollout.streaming={streaming}", "--set", "rollout.max_new_tokens=192")
     proc = run_mode(tmp_path, long_tail_models, "partial", extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -10,12 +10,13 @@ crosses it.
 In colocation the three groups share the same devices, so each heavy phase must finish on every
 rank before the next one starts: a world barrier between them. Sends that cross a gate are
 non-blocking and drained after it, so a rank waiting at the gate never blocks a sender. The
-barrier is polled (Ibarrier + sleep) so waiting ranks leave the cores to the working ones.
+barrier is polled (Ibarrier + sleep) so waiting ranks leave the cores to the working ones; the rank
+that enters it rings the others (`comm/doorbell.py`).
 Other modes overlap phases on purpose, and the gate does nothing.
 """
 from __future__ import annotations
 
-from yatt_hpc.comm.transport import wait_all
+from yatt_hpc.comm.transport import wait_collective
 
 
 class PhaseGate:
@@ -25,4 +26,4 @@ class PhaseGate:
     def cross(self, name: str) -> None:
         """`name` documents the call site; every rank crosses the same gates in the same order."""
         if self.enabled:
-            wait_all([self.comm.Ibarrier()], self.poll_s)
+            wait_collective(self.comm, self.comm.Ibarrier(), self.poll_s, f"gate {name}")

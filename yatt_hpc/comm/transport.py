@@ -16,7 +16,9 @@ copy; any other batch is read in place through an MPI datatype over its columns'
 Receiving probes without sleeping for at most `SPIN_S` (0.2 ms: a stream's next batch is usually
 closer), then polls with sleeps instead of blocking: with more controller ranks than cores, a blocked
 Open MPI receive spins and steals the CPU the working rank needs. While a rank sleeps here it is
-marked as waiting on peers (`activity.ACTIVITY`), which the health monitor reads.
+marked as waiting on peers (`activity.ACTIVITY`), which the health monitor reads. A sender on the same
+node rings the receiver's doorbell (`comm/doorbell.py`), which ends its sleep at once; a rank entering
+a collective rings the others (`wait_collective`).
 The world-wide agreements of a step are not here: `roles/protocol.py` owns them.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ from yatt_hpc.batch import COLUMNS as _COLUMNS
 from yatt_hpc.batch import DTYPES as _DTYPES
 from yatt_hpc.batch import HEADER_WORDS, SampleBatch, from_wire, typed_views
 from yatt_hpc.batch import WIRE_ORDER as _WIRE_ORDER
+from yatt_hpc.comm.doorbell import DOORBELL
 
 # message tags of the inter-group protocol
 TAG_PROMPTS = 11  # trainer -> rollout: prompts to sample
@@ -164,7 +167,9 @@ RECEIVE_BUFFERS = ReceiveBuffers()
 
 
 def send_batch(comm, dest: int, tag: int, batch: SampleBatch) -> None:
-    # blocking: MPI progresses the transfer itself instead of waiting for our next poll
+    # blocking: MPI progresses the transfer itself instead of waiting for our next poll; the receiver is
+    # rung first, so a large (rendezvous) message does not wait for its next poll to be matched
+    DOORBELL.ring(comm, dest)
     buffer = batch.wire()
     if buffer is not None:  # already one contiguous message: no datatype, no copy
         LEDGER.count(batch, buffer.nbytes - 8 * HEADER_WORDS)
@@ -187,7 +192,9 @@ def isend_batch(comm, dest: int, tag: int, batch: SampleBatch) -> tuple[list, li
     the in-place Isend 10x slower)."""
     LEDGER.count(batch)
     buffer = pack(batch)
-    return [comm.Isend(buffer, dest=dest, tag=tag)], [buffer]
+    requests = [comm.Isend(buffer, dest=dest, tag=tag)]
+    DOORBELL.ring(comm, dest)
+    return requests, [buffer]
 
 
 def wait_all(requests: list, poll_s: float = 0.002, label: str = "mpi wait") -> None:
@@ -197,11 +204,31 @@ def wait_all(requests: list, poll_s: float = 0.002, label: str = "mpi wait") -> 
         ACTIVITY.progress()
         return
     with ACTIVITY.waiting(label):
-        delay = 0.0
-        while not MPI.Request.Testall(requests):
-            if delay:
-                time.sleep(delay)
-            delay = min(poll_s, delay + 0.00005)
+        _sleep_until(lambda: MPI.Request.Testall(requests), poll_s)
+
+
+def wait_collective(comm, request, poll_s: float = 0.002, label: str = "collective") -> None:
+    """`wait_all` for a non-blocking collective just entered on `comm`: the other ranks of the node
+    are rung first, so those already waiting in it make their part of its rounds now."""
+    DOORBELL.ring_all(comm)
+    wait_all([request], poll_s, label)
+
+
+def _sleep_until(done, poll_s: float) -> None:
+    """Call `done` until it is true, sleeping between calls (backing off by 50 us to `poll_s`); a
+    doorbell ends a sleep, and then `done` is called without sleeping for `SPIN_S`: the peer that rang
+    has just sent, or entered a collective whose next round the others are making now."""
+    delay = 0.0
+    while not done():
+        if delay and DOORBELL.sleep(delay):
+            until = time.perf_counter() + SPIN_S
+            while not done():
+                if time.perf_counter() >= until:
+                    break
+            else:
+                return
+            delay = 0.0
+        delay = min(poll_s, delay + 0.00005)
 
 
 def quiet_barrier(comm, label: str = "barrier", poll_s: float = 0.01) -> None:
@@ -212,7 +239,7 @@ def quiet_barrier(comm, label: str = "barrier", poll_s: float = 0.01) -> None:
     checkpoint): the collective then completes at once, and whoever came first has left the cores
     to whoever is still working. Measured here (4 ranks, 2 cores): a rank blocked 4 s in `bcast`
     burns ~1.5 CPU seconds of it, with `mpi_yield_when_idle` set."""
-    wait_all([comm.Ibarrier()], poll_s, label)
+    wait_collective(comm, comm.Ibarrier(), poll_s, label)
 
 
 class StreamSender:
@@ -276,7 +303,7 @@ def agree_more(comm, mine: bool, poll_s: float = 0.002) -> bool:
     """Whether any rank wants another sampling wave (collective over `comm`, polled, not spinning)."""
     flag = np.array([1 if mine else 0], dtype=np.int64)
     out = np.zeros(1, dtype=np.int64)
-    wait_all([comm.Iallreduce(flag, out, op=MPI.MAX)], poll_s, "agree_more")
+    wait_collective(comm, comm.Iallreduce(flag, out, op=MPI.MAX), poll_s, "agree_more")
     return bool(out[0])
 
 
@@ -332,16 +359,13 @@ def _poll(probe, label: str, poll_s: float, spin_s: float) -> None:
         ACTIVITY.progress()
         return
     with ACTIVITY.waiting(label):
-        delay = 0.0
-        while not probe():
-            if delay:
-                time.sleep(delay)
-            delay = min(poll_s, delay + 0.00005)
+        _sleep_until(probe, poll_s)
 
 
 def send_ints(comm, dest: int, tag: int, values) -> None:
     """A small control message (a few int64); eager, so a blocking send never waits on the receiver."""
     comm.Send(np.asarray(values, dtype=np.int64), dest=dest, tag=tag)
+    DOORBELL.ring(comm, dest)
 
 
 def recv_ints(comm, source: int, tag: int, poll_s: float = 0.002) -> tuple[np.ndarray, int]:

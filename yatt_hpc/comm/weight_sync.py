@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from yatt_hpc.activity import ACTIVITY
+from yatt_hpc.comm.doorbell import DOORBELL
 from yatt_hpc.comm.transport import TAG_WEIGHTS, recv_ints, send_ints, wait_for_message
 from yatt_hpc.comm.weight_ipc import TAG_WEIGHTS_DONE, ipc_payload, rebuild_ipc_bucket
 from yatt_hpc.weight_group import DTYPES as _DTYPES
@@ -139,6 +140,7 @@ def send_message(comm, dest: int, kind: str, transport: str, body: dict, payload
     """One protocol message; returns the bytes it put on MPI."""
     envelope = np.frombuffer(json.dumps({"kind": kind, "transport": transport, "body": body}).encode(), np.uint8)
     size = 0 if payload is None else payload.size
+    DOORBELL.ring(comm, dest)  # a payload larger than eager waits for the receiver to match it
     comm.Send(np.array([envelope.size, size], dtype=np.int64), dest=dest, tag=TAG_WEIGHTS)
     comm.Send(envelope, dest=dest, tag=TAG_WEIGHTS)
     if size:

@@ -53,7 +53,7 @@ from mpi4py import MPI
 
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.comm.gates import PhaseGate
-from yatt_hpc.comm.transport import agree_more, quiet_barrier, wait_all
+from yatt_hpc.comm.transport import agree_more, quiet_barrier, wait_collective
 
 log = logging.getLogger(__name__)
 CHECK_ENV = "YATT_PROTOCOL_CHECK"
@@ -100,7 +100,7 @@ class StepProtocol:
         self._event(STOP)
         mine, agreed = np.array([code], dtype=np.int64), np.zeros(1, dtype=np.int64)
         # polled: ranks done early (GenRM while the trainers train) sleep here instead of spinning
-        wait_all([self.comm.Iallreduce(mine, agreed, op=MPI.MAX)], self.poll_s, STOP)
+        wait_collective(self.comm, self.comm.Iallreduce(mine, agreed, op=MPI.MAX), self.poll_s, STOP)
         return int(agreed[0])
 
     def agree_split(self, pending):
@@ -117,7 +117,7 @@ class StepProtocol:
 
     def save_barrier(self) -> None:
         self._event(SAVE)
-        wait_all([self.comm.Ibarrier()], self.poll_s, SAVE)
+        wait_collective(self.comm, self.comm.Ibarrier(), self.poll_s, SAVE)
 
     def end_step(self) -> None:
         text = ";".join(self.trace)
@@ -166,7 +166,7 @@ class StepProtocol:
         mine[:2] = (self.step, len(self.trace) - 1)
         mine[2:] = np.frombuffer(name.encode()[:_LABEL_BYTES].ljust(_LABEL_BYTES, b"\0"), np.int64)
         every = np.zeros((self.comm.Get_size(), mine.size), np.int64)
-        wait_all([self.check_comm.Iallgather(mine, every)], self.poll_s, "protocol check")
+        wait_collective(self.check_comm, self.check_comm.Iallgather(mine, every), self.poll_s, "protocol check")
         seen = [(int(r[0]), int(r[1]), r[2:].tobytes().rstrip(b"\0").decode()) for r in every]
         if len(set(seen)) > 1:
             raise ProtocolDivergence(f"the ranks diverged from the step protocol: {self._describe(seen)}")

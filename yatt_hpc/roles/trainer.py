@@ -40,6 +40,7 @@ from mpi4py import MPI
 
 from yatt_hpc.batch import SampleBatch, image_columns
 from yatt_hpc.ckpt import RankState, capture_rng, load_optimizer_tensors, optimizer_tensors, restore_rng
+from yatt_hpc.comm.doorbell import DOORBELL
 from yatt_hpc.comm.prompt_routing import build_router
 from yatt_hpc.comm.rebalance import Rebalancer
 from yatt_hpc.comm.transport import TAG_COUNT, TAG_PROMPTS, TAG_SCORED, bcast_batch, recv_batch, send_batch, wait_all
@@ -234,7 +235,9 @@ class TrainerController(BaseController):
         # receive only after a phase gate: non-blocking); every destination gets one message
         counts = [(r, int((rank_of == r).sum())) for r in self.router.destinations(self.routes)]
         header = np.array([keep] + [x for r, c in counts if c for x in (r, c)], np.int64)
-        self._count_send = ([self.world.comm.Isend(header, dest=self.routes.genrm_for(self.dp_rank), tag=TAG_COUNT)], header)
+        genrm = self.routes.genrm_for(self.dp_rank)
+        self._count_send = ([self.world.comm.Isend(header, dest=genrm, tag=TAG_COUNT)], header)
+        DOORBELL.ring(self.world.comm, genrm)
         for r, _ in counts:
             send_batch(self.world.comm, r, TAG_PROMPTS, batch.select(np.flatnonzero(rank_of == r)))
         self.stats.hold(-len(batch))  # sent: the samples now live on the rollout ranks

@@ -78,6 +78,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     from rich.console import Console
 
     from yatt_hpc.ckpt import CheckpointManager
+    from yatt_hpc.comm.doorbell import DOORBELL, launch_nonce
     from yatt_hpc.comm.transport import quiet_barrier
     from yatt_hpc.comm.world import build_world
     from yatt_hpc.config import load_config
@@ -98,6 +99,8 @@ def run_rank(group: str, run_dir: Path) -> str:
     logging.getLogger().setLevel(cfg.logging.level)  # INFO until the config is read
     # groups finish their imports seconds apart: the first ones sleep (not spin) until all are here
     quiet_barrier(MPI.COMM_WORLD, "start: every rank imported")
+    # waiting ranks sleep until a peer on their node rings them (comm/doorbell.py)
+    DOORBELL.open(MPI.COMM_WORLD, MPI.COMM_WORLD.bcast(launch_nonce() if MPI.COMM_WORLD.Get_rank() == 0 else None))
     world = build_world(plan(cfg), MPI.COMM_WORLD, expected_group=group)
     check_model_dirs(cfg)
     (run_dir / "timeline").mkdir(exist_ok=True)
@@ -141,6 +144,8 @@ def leave(code: int) -> None:
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()  # what interpreter exit would wait for (a checkpoint writer, if one were left)
     logging.shutdown()
+    if "yatt_hpc.comm.doorbell" in sys.modules:
+        sys.modules["yatt_hpc.comm.doorbell"].DOORBELL.close()
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
     sys.stdout.flush()
