@@ -172,8 +172,9 @@ class RolloutConfig(Section):
     """Sampling responses from the current policy."""
 
     engine: Literal["hf", "sglang"] = "hf"
-    """Inference engine of the rollout replicas and of the GenRM judge: `hf` (transformers, CPU or one GPU per
-    replica) or `sglang` (GPU only, tensor-parallel replicas, `pip install yatt-hpc[gpu]`)."""
+    """Inference engine of the rollout replicas and of the GenRM judge: `hf` (CPU or one GPU per replica; GPT-2
+    checkpoints in plain torch, any other model through transformers) or `sglang` (GPU only, tensor-parallel
+    replicas, `pip install yatt-hpc[gpu]`)."""
     samples_per_prompt: int = Field(8, ge=1)
     """GRPO group size n: responses sampled per prompt."""
     max_new_tokens: int = Field(1024, ge=1)
