@@ -41,10 +41,10 @@ new tokens, tiny GPT-2 h32/L2/V64: 36 ms = 28k tok/s vs 47 ms for ``model.genera
   the demo is ready ~2.5 s of CPU sooner, and the demo's 4-rank start -> step 1 went 8.0 -> 5.0 s with
   the trainer's own cuts). Anything else (other architectures, Qwen2-VL, a model built in memory)
   goes through transformers; the rank's log says which and why.
-* Through transformers, the model runs the same function faster (``hf_fast.py``): GPT-2's Python GELU as torch's one kernel,
-  a KV cache written in place instead of re-concatenated every step, and the one-token attention of a
-  decode step as two strided ``bmm`` calls instead of SDPA (a 128-row x 48-token decode of a 256-wide
-  GPT-2: 2.53 -> 2.00 s, one thread).
+* Through transformers, the model runs the same function faster (``hf_fast.py``): GPT-2's Python GELU
+  as torch's one kernel, a KV cache written in place instead of re-concatenated every step, and the
+  one-token attention of a decode step as two strided ``bmm`` calls instead of SDPA (a 128-row x
+  48-token decode of a 256-wide GPT-2: 2.53 -> 2.00 s, one thread).
 """
 
 from __future__ import annotations
@@ -110,9 +110,10 @@ class HFEngine(BaseEngine):
             text = model.config.get_text_config()
             self._vocab_size, self._max_positions = int(text.vocab_size), getattr(text, "max_position_embeddings", None)
             default_stop = self._model_eos(model)
-        log.info("engine 'hf' serves %s %s", model_dir if isinstance(model_dir, str) else "an in-memory model",
+        in_memory = isinstance(model_dir, torch.nn.Module)
+        log.info("engine 'hf' serves %s %s", "a model built in memory" if in_memory else model_dir,
                  "with the native GPT-2 forward" if self._native else
-                 f"through transformers ({why_not_native(model_dir) if isinstance(model_dir, str) else 'built in memory'})")
+                 f"through transformers ({'built in memory' if in_memory else why_not_native(model_dir)})")
         self._model = model.to(self._device).eval()
         self._seed = seed
         self._max_batch_size = max_batch_size

@@ -81,7 +81,9 @@ def load_native(model_dir: str | Path, dtype: str | None = None) -> NativeGPT2 |
     state = load_file(str(Path(model_dir) / "model.safetensors"))
     if shape.tied:
         state.pop("lm_head.weight", None)
-    model.load_state_dict({k: v.to(shape.dtype) for k, v in state.items()}, strict=False)
+    missing, unexpected = model.load_state_dict({k: v.to(shape.dtype) for k, v in state.items()}, strict=False)
+    if unexpected or set(missing) - ({"lm_head.weight"} if shape.tied else set()):  # _read_shape checked the names
+        raise RuntimeError(f"{model_dir}: model.safetensors left {sorted(missing)} unloaded, {sorted(unexpected)} unused")
     return model.eval()
 
 
