@@ -1,7 +1,7 @@
 """The fault matrix under real mpirun: a rank that dies or stops ends the run in bounded time, named,
 and running the same command again resumes with no prompt lost or consumed twice.
 
-Each case starts the demo (3 steps, a checkpoint every step), waits for checkpoint step-1 to be
+Each case starts the demo (6 steps, a checkpoint every step), waits for checkpoint step-1 to be
 committed (the event, not a time), then hits one rank of one group, found by the pid its own log
 recorded and checked to descend from the process this test started:
 
@@ -28,7 +28,9 @@ from tests.conftest import FULL_MATRIX, REPO, final_state, kill_tree, mpi_env, t
 from tests.mpi.test_exact_resume import assert_same
 from yatt_hpc.ckpt.loader import find_latest
 
-STEPS, PROMPTS = 3, 8
+# 6 steps: the hit lands after checkpoint step-1 with steps still to run (a demo step is ~0.15 s now; with 3
+# steps a slow test process could find the run finished)
+STEPS, PROMPTS = 6, 8
 ARGS = ["--set", f"train.steps={STEPS}", "--set", f"train.prompts_per_step={PROMPTS}",
         "--set", "rollout.samples_per_prompt=4", "--set", "checkpoint.interval=1", "--set", "logging.progress=false",
         "--set", "logging.tensorboard=false"]

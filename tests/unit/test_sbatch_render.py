@@ -112,6 +112,22 @@ def test_first_failure_maps_het_component_task_to_world_rank():
     assert first_failure(worker + lines, p).startswith("genrm (world rank 3): ValueError: boom")
 
 
+def test_a_rank_that_lost_its_peer_is_not_named_when_mpirun_saw_the_peer_killed():
+    """A trainer killed mid all-reduce: the other trainer's Gloo read fails at once and its line comes
+    before mpirun's notice (CI saw exactly these lines); the killed rank is the first failure. A line of
+    the killed rank itself, or any other error, still names its rank."""
+    p = plan(_cfg())
+    lost = "yatt-hpc [trainer rank 0] failed: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error " \
+           "[127.0.0.1]:30622: Connection reset by peer. (traceback in /r/logs/rank-0000-trainer.log)\n"
+    notice = "mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Killed).\n"
+    assert first_failure([lost, notice], p) == "trainer (world rank 1) on vm: killed by signal 9 (Killed)"
+    own = "yatt-hpc [trainer rank 1] failed: RuntimeError: Connection reset by peer\n"
+    assert first_failure([own, notice], p).startswith("trainer (world rank 1): RuntimeError")
+    other = "yatt-hpc [rollout rank 2] failed: ValueError: boom\n"
+    assert first_failure([other, notice], p).startswith("rollout (world rank 2): ValueError: boom")
+    assert first_failure([lost], p).startswith("trainer (world rank 0): RuntimeError")  # nobody else named
+
+
 @pytest.mark.parametrize("job_id, group", [("42+1.0", "rollout"), ("42+0", "trainer"), ("42.batch", "launcher"),
                                            ("42.0", "all groups"), ("42", "job"), ("42+2", "genrm")])
 def test_group_label(job_id, group):

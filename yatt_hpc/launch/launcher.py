@@ -41,6 +41,9 @@ _WORKER_LINE = re.compile(r"yatt-hpc \[(?P<group>\w+) rank (?P<rank>\d+)\] (?:fa
 _SRUN_LINE = re.compile(r"srun: error: (?P<node>\S+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.*)")
 _MPIRUN_LINE = re.compile(r"process rank (?P<rank>\d+) with PID \d+ on node (?P<node>\S+) exited on signal "
                           r"(?P<sig>\d+)(?: \((?P<name>[^)]*)\))?")
+# What a rank says when a peer it was talking to directly (Gloo's TCP pairs of the trainers' all-reduce)
+# died under it: a consequence, not a cause, when mpirun names a rank that a signal killed.
+_PEER_LOST = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe", re.IGNORECASE)
 
 
 class StepFailed(RuntimeError):
@@ -153,22 +156,25 @@ def first_failure(lines: Sequence[str], p: Plan, node_groups: Mapping[str, str] 
                   records: Sequence[Mapping] = ()) -> str | None:
     """Name the rank that failed first: a rank killed by a signal before any other rank failed (its
     exit record says so; what the others print afterwards are consequences), else the worker's own
-    line (it says why), else the earliest failing exit record, else mpirun's or srun's line.
+    line (it says why; not one saying its peer's connection broke while mpirun names a rank a signal
+    killed), else the earliest failing exit record, else mpirun's or srun's line.
 
     srun reports `NODE: task N: Exited with exit code X`; in a heterogeneous step N counts within the
     component, so `node_groups` (node -> group) turns it into a world rank."""
     first = _first_failing(records)
     if first is not None and first.get("signal") is not None:
         return record_failure([first], p)
+    killed = next((m for m in map(_MPIRUN_LINE.search, lines) if m), None)
     for line in lines:
         m = _WORKER_LINE.search(line)
+        if m and killed and int(killed.group("rank")) != int(m.group("rank")) and _PEER_LOST.search(m.group("what")):
+            continue  # it lost the peer mpirun saw killed: what killed that rank came first
         if m:
             rank = int(m.group("rank"))
             return f"{m.group('group')} (world rank {rank}): {m.group('what').strip()}"
     from_records = record_failure(records, p)
     if from_records:
         return from_records
-    killed = next((m for m in map(_MPIRUN_LINE.search, lines) if m), None)
     if killed:
         rank = int(killed.group("rank"))
         where = f"{p.group_of(rank)} (world rank {rank})" if rank < p.world_size else f"rank {rank}"
