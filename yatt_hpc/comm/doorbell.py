@@ -88,23 +88,29 @@ class Doorbell:
             self._ring_world(_world_ranks(comm, range(comm.Get_size()), self._world))
 
     def _ring_world(self, ranks) -> None:
+        sock, addresses = self._sock, self._addresses
         for r in ranks:
-            address = self._addresses.get(r)
-            if address is None:
+            address = addresses.get(r)
+            if address is None or sock is None:
                 continue
-            with contextlib.suppress(OSError):  # full (already rung), or the peer has closed it at the end
-                self._sock.sendto(b"\1", address)
+            with contextlib.suppress(OSError):  # full (already rung), closed here or by the peer at the end
+                sock.sendto(b"\1", address)
 
     def sleep(self, timeout: float) -> bool:
         """Sleep up to `timeout` s; True if a peer rang (the bell is cleared)."""
-        if self._sock is None:
+        sock = self._sock  # one read: `close` may run on another thread at the end of the run
+        if sock is None:
             time.sleep(timeout)
             return False
-        ready, _, _ = select.select([self._sock], [], [], timeout)
+        try:
+            ready, _, _ = select.select([sock], [], [], timeout)
+        except (OSError, ValueError):  # closed meanwhile: the run is ending; wait as without a bell
+            time.sleep(timeout)
+            return False
         if not ready:
             return False
         try:
-            while self._sock.recv(64):
+            while sock.recv(64):
                 pass
         except OSError:  # drained (BlockingIOError), or closed by another thread at the end
             pass
