@@ -50,7 +50,6 @@ from yatt_hpc.data.consumed import ConsumedLog
 from yatt_hpc.data.prompts import build_prompt_source
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.errors import InputError
-from yatt_hpc.hf_config import load_hf_config
 from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.base import BaseController, rank_device
 from yatt_hpc.roles.colocation import holding_devices
@@ -80,7 +79,6 @@ class TrainerController(BaseController):
         self.n = cfg.rollout.samples_per_prompt
         self.per_replica = cfg.train.prompts_per_step // self.routes.dp
         self.owners_comm = world.group_comm.Split(0 if self.is_owner else MPI.UNDEFINED, world.group_rank)
-        self.balancer = self._build_balancer()
         ds = cfg.rollout.dynamic_sampling
         self.dynamic = ds.enabled
         self.sampler = DynamicSampler(self.per_replica, ds.oversampling, ds.ema_decay, ds.ema_cap, ds.max_refill_waves)
@@ -106,6 +104,7 @@ class TrainerController(BaseController):
         self.policy = MegatronPolicy.from_hf(cfg.model.path, self.tp_rank, tp, cfg.train,
                                              dtype=getattr(torch, cfg.model.dtype),
                                              temperature=cfg.rollout.temperature)
+        self.balancer = self._build_balancer()  # its cost model reads the policy's config
         pairs = weight_pairs(world.plan, cfg.rollout.weight_transport, cfg.rollout.engine)
         self.weights_out = WeightSender(world.comm, pairs, cfg.rollout.weight_sync_bucket_mb, device=device)
         self.colocate = world.plan.mode == "colocate"
@@ -269,7 +268,7 @@ class TrainerController(BaseController):
     def _build_balancer(self):
         if not self.is_owner or self.cfg.train.balance == "none" or self.routes.dp == 1:
             return None
-        hidden = load_hf_config(self.cfg.model.path).get_text_config().hidden_size
+        hidden = self.policy.hf_config.get_text_config().hidden_size
         return Rebalancer(self.owners_comm, self.world.comm, [self.routes.trainer_owner(d) for d in range(self.routes.dp)],
                           balance_coeff(self.cfg.train, hidden))
 

@@ -39,9 +39,13 @@ _REQUIRED = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_
 # config.json setting -> the value this module computes (another value: transformers serves the model)
 _FIXED = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
           "add_cross_attention": False}
-_ACTIVATIONS = {"gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+
+
+def _tanh_gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"gelu_new": _tanh_gelu, "gelu_fast": _tanh_gelu, "gelu_pytorch_tanh": _tanh_gelu,
                 "gelu": F.gelu, "relu": F.relu, "silu": F.silu}
 
 
