@@ -129,6 +129,7 @@ def test_sampling_temperature_is_the_temperature_the_trainer_scores_at(tmp_path)
     # or transformers (the demo's config.json read as written); the engine serves the demo's GPT-2 natively
     trainer_log = (tmp_path / "run" / "logs" / "rank-0000-trainer.log").read_text()
     assert "done: complete (loaded: torch, megatron.core)" in trainer_log, trainer_log[-2000:]
+    assert "update forward: each prompt once per micro-batch" in trainer_log  # GPT-2: the shared-prompt forward
     rollout_log = (tmp_path / "run" / "logs" / "rank-0002-rollout.log").read_text()
     assert "with the native GPT-2 forward" in rollout_log and "done: complete (loaded: torch)" in rollout_log
     assert (tmp_path / "run" / "checkpoints" / "step-1" / "COMMITTED").exists()

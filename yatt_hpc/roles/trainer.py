@@ -110,7 +110,8 @@ class TrainerController(BaseController):
         self.colocate = world.plan.mode == "colocate"
         if self.colocate:
             self.policy.release_memory()  # rollout and GenRM take the devices first each step
-        log.info("trainer dp=%d tp=%d owner=%s ready", self.dp_rank, self.tp_rank, self.is_owner)
+        log.info("trainer dp=%d tp=%d owner=%s ready; update forward: %s", self.dp_rank, self.tp_rank,
+                 self.is_owner, self.policy.layout_note)
 
     def _rendezvous(self) -> tuple[str, int]:
         """Trainer rank 0 picks the torch.distributed address; everyone learns it over MPI."""

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from yatt_hpc.train import cpu_compat
 from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
+from yatt_hpc.train.shared_prompt import SharedPromptAttention
 from yatt_hpc.train.mcore import (
     GPTModel,
     ModuleSpec,
@@ -209,6 +210,8 @@ def _vision_tower(hf_config: Any) -> torch.nn.Module:
 
 def _layer_spec(arch: HFArch, config: TransformerConfig) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=arch.qk_norm)
+    # Megatron's own attention unless a shared-prompt forward is running (train/shared_prompt.py)
+    spec.submodules.self_attention.submodules.core_attention = SharedPromptAttention
     if arch.qk_norm:
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = HeadRMSNorm

@@ -36,9 +36,10 @@ from yatt_hpc.batch import SampleBatch
 from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.hf_config import load_hf_config
 from yatt_hpc.offload import HostParking
-from yatt_hpc.train import convert, megatron_model
+from yatt_hpc.train import convert, megatron_model, shared_prompt
 from yatt_hpc.train.adamw import AdamW
 from yatt_hpc.train.grpo import policy_loss
+from yatt_hpc.train.hf_arch import describe_hf_config
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
 from yatt_hpc.vision.processor import ImageProcessor, decode_rgb
@@ -70,8 +71,10 @@ def load_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 class MegatronPolicy:
     def __init__(self, model, hf_config, cfg: TrainConfig, reference=None, temperature: float = 1.0,
-                 images: ImageProcessor | None = None):
+                 images: ImageProcessor | None = None, share_prompts: bool = False):
         self.model = model
+        self.share_prompts = share_prompts  # the shared-prompt forward (train/shared_prompt.py)
+        self.layout_note = "each prompt once per micro-batch" if share_prompts else "padded rows"
         self.hf_config = hf_config
         self.cfg = cfg
         self.reference = reference
@@ -110,7 +113,11 @@ class MegatronPolicy:
             megatron_model.load_megatron_shard(reference, shard)
             reference.eval().requires_grad_(False)
         images = ImageProcessor.from_model_dir(model_dir) if vision else None
-        return cls(model, hf_config, cfg, reference, temperature=temperature, images=images)
+        share, why_not = _share_prompts(cfg, hf_config, tp_size, model_dir)
+        policy = cls(model, hf_config, cfg, reference, temperature=temperature, images=images, share_prompts=share)
+        policy.layout_note = "each prompt once per micro-batch (train.share_prompts)" if share else \
+            f"padded rows ({'train.share_prompts=false' if cfg.share_prompts is False else why_not})"
+        return policy
 
     # ------------------------------------------------------------------ the update
 
@@ -173,6 +180,8 @@ class MegatronPolicy:
 
     def _micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float,
                     pixels: dict[int, tuple[np.ndarray, np.ndarray]]) -> UpdateStats:
+        if self.share_prompts:
+            return self._shared_micro_step(mb, adv, global_tokens)
         tokens, mask, old_logp = (t.to(self.device) for t in pack_micro_batch(mb))
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         images = self.vision_inputs(mb, inputs, pixels)
@@ -185,6 +194,26 @@ class MegatronPolicy:
                 ref_logits = megatron_model.forward_logits(self.reference, inputs, images=images)
                 ref_logp, _ = token_logprobs_and_entropy(ref_logits, targets, self.tp_group,
                                                          self.vocab_size, self.temperature)
+        return self._loss_backward(logp, entropy, ref_logp, old_logp, mask, adv, global_tokens)
+
+    def _shared_micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float) -> UpdateStats:
+        """`_micro_step` on the shared-prompt stream: [N, R] response-aligned logprobs instead of [N, L-1]."""
+        layout = shared_prompt.build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"))
+        old_logp = shared_prompt.padded(mb.ragged("logprobs"), layout.targets.shape[1])
+        layout, old_logp = layout.to(self.device), old_logp.to(self.device)
+        logp, entropy = self._shared_logprobs(self.model, layout)
+        ref_logp = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logp, _ = self._shared_logprobs(self.reference, layout)
+        return self._loss_backward(logp, entropy, ref_logp, old_logp, layout.mask, adv, global_tokens)
+
+    def _shared_logprobs(self, model, layout: shared_prompt.SharedLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = shared_prompt.forward_shared(model, layout)[layout.source]  # [N, R, V_local]
+        return token_logprobs_and_entropy(logits, layout.targets, self.tp_group, self.vocab_size, self.temperature)
+
+    def _loss_backward(self, logp, entropy, ref_logp, old_logp, mask, adv: np.ndarray,
+                       global_tokens: float) -> UpdateStats:
         adv_tok = torch.from_numpy(adv).float().to(logp.device)[:, None].expand_as(logp)
         loss, stats = policy_loss(logp, old_logp, adv_tok, mask, clip_low=self.cfg.clip_low,
                                   clip_high=self.cfg.clip_high, token_count=global_tokens, ref_logp=ref_logp,
@@ -283,6 +312,18 @@ class MegatronPolicy:
         """(hf_name, tensor) of the full model; collective over the TP group (all TP ranks iterate)."""
         return convert.iter_gathered_hf_weights(self.model, self.hf_config, self.tp_group,
                                                 vision=self.cfg.train_vision_tower)
+
+
+def _share_prompts(cfg: TrainConfig, hf_config, tp_size: int, model_dir: Path) -> tuple[bool, str | None]:
+    """Whether the update runs the shared-prompt forward (`train.share_prompts` and what the model allows),
+    and why not when the model does not allow it."""
+    if cfg.share_prompts is False:
+        return False, None
+    why_not = shared_prompt.supports(describe_hf_config(hf_config, tp_size))
+    if why_not and cfg.share_prompts is True:
+        raise ValueError(f"train.share_prompts=true but model.path={str(model_dir)!r} is {why_not}; "
+                         "set train.share_prompts: auto (shared where the model allows) or false")
+    return why_not is None, why_not
 
 
 def _master_copy(p: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,135 @@
+"""The shared-prompt forward (train/shared_prompt.py) computes what the padded rows compute: the same
+response logprobs and entropies, the same gradients, the same policy update; and it runs only on models
+whose positions it can state."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from yatt_hpc.batch import SampleBatch
+from yatt_hpc.config.schema import TrainConfig
+
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
+
+
+def _grouped_batch(vocab: int, seed: int = 0) -> tuple[SampleBatch, np.ndarray]:
+    """Three prompts (two of the same length, one longer), groups of 4, 1 and 3 samples interleaved, with an
+    empty and a one-token response among them."""
+    rng = np.random.default_rng(seed)
+    prompts = {7: rng.integers(3, vocab, 5), 8: rng.integers(3, vocab, 9), 9: rng.integers(3, vocab, 5)}
+    order = [7, 8, 7, 9, 7, 9, 7, 9]
+    lengths = [3, 4, 1, 2, 0, 6, 7, 5]
+    responses = [rng.integers(3, vocab, n) for n in lengths]
+    batch = SampleBatch(
+        sample_id=np.arange(len(order), dtype=np.int64), prompt_id=np.array(order, np.int64),
+        prompt_len=np.array([len(prompts[g]) for g in order], np.int32),
+        prompt_tokens=np.concatenate([prompts[g] for g in order]).astype(np.int32),
+        response_len=np.array(lengths, np.int32), response_tokens=np.concatenate(responses).astype(np.int32),
+        logprobs=rng.uniform(-4, -1, sum(lengths)).astype(np.float32))
+    return batch, rng.standard_normal(len(order)).astype(np.float32)
+
+
+def _padded_response_values(batch: SampleBatch, values: torch.Tensor) -> list[torch.Tensor]:
+    """Each sample's response-aligned slice of a padded [N, L-1] tensor (target j at prompt_len - 1 + j)."""
+    return [values[i, p - 1:p - 1 + r] for i, (p, r) in enumerate(zip(batch.prompt_len, batch.response_len))]
+
+
+def test_layout_holds_each_prompt_once():
+    from yatt_hpc.train.shared_prompt import build_layout
+
+    batch, _ = _grouped_batch(50)
+    layout = build_layout(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"))
+    assert layout.prompts == 3
+    assert len(layout.tokens) == 5 + 9 + 5 + sum(max(int(r) - 1, 0) for r in batch.response_len)
+    for i, (p, r) in enumerate(zip(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"))):
+        n = len(r)
+        assert layout.targets[i, :n].tolist() == r.tolist() and layout.mask[i].sum() == n
+        if n:  # the first token is predicted from the prompt's last token, at its position
+            assert layout.tokens[layout.source[i, 0]] == p[-1] and layout.positions[layout.source[i, 0]] == len(p) - 1
+            # then from the response's own tokens at positions P, P+1, ...
+            assert layout.tokens[layout.source[i, 1:n]].tolist() == r[:-1].tolist()
+            assert layout.positions[layout.source[i, 1:n]].tolist() == list(range(len(p), len(p) + n - 1))
+
+
+def test_shared_forward_gives_the_padded_logprobs_entropies_and_gradients(one_rank_world):
+    from yatt_hpc.demo.tiny_models import char_gpt2
+    from yatt_hpc.hf_config import load_hf_config
+    from yatt_hpc.train import convert, megatron_model as mm, shared_prompt
+    from yatt_hpc.train.logprobs import token_logprobs_and_entropy
+    from yatt_hpc.train.policy import pack_micro_batch
+
+    hf = char_gpt2(n_embd=32, n_layer=2, n_head=4, seed=3)
+    model = mm.build_gpt_model(hf.config, 1)
+    mm.load_megatron_shard(model, convert.hf_to_megatron(hf.state_dict(), hf.config, 0, 1))
+    vocab = hf.config.vocab_size
+    batch, _ = _grouped_batch(vocab)
+    weights = [torch.randn(int(r), generator=torch.Generator().manual_seed(i)) for i, r in enumerate(batch.response_len)]
+
+    tokens, _, _ = pack_micro_batch(batch)
+    model.zero_grad(set_to_none=True)
+    logp, ent = token_logprobs_and_entropy(mm.forward_logits(model, tokens[:, :-1]), tokens[:, 1:], None, vocab)
+    padded_logp, padded_ent = _padded_response_values(batch, logp), _padded_response_values(batch, ent)
+    sum(((lp + 0.3 * e) * w).sum() for lp, e, w in zip(padded_logp, padded_ent, weights)).backward()
+    padded_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad(set_to_none=True)
+    layout = shared_prompt.build_layout(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"))
+    logits = shared_prompt.forward_shared(model, layout)
+    assert logits.shape[0] == len(layout.tokens) < tokens[:, :-1].numel()
+    s_logp, s_ent = token_logprobs_and_entropy(logits[layout.source], layout.targets, None, vocab)
+    for i, r in enumerate(batch.response_len):
+        torch.testing.assert_close(s_logp[i, :r], padded_logp[i].detach(), atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(s_ent[i, :r], padded_ent[i].detach(), atol=2e-6, rtol=1e-5)
+    sum(((s_logp[i, :r] + 0.3 * s_ent[i, :r]) * w).sum()
+        for i, (r, w) in enumerate(zip(batch.response_len, weights))).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, padded_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+    # the check can fail: positions shifted by one give other logprobs
+    layout.positions += 1
+    shifted, _ = token_logprobs_and_entropy(shared_prompt.forward_shared(model, layout)[layout.source],
+                                            layout.targets, None, vocab)
+    assert (shifted - s_logp).abs().max() > 1e-3
+
+
+def _policy(share: bool):
+    from yatt_hpc.train.policy import MegatronPolicy
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(lr=1e-3, micro_batch_size=5, kl_coef=0.01, entropy_coef=0.01, share_prompts=share)
+    return MegatronPolicy.from_hf(DEMO / "policy", 0, 1, cfg)
+
+
+def test_policy_update_is_the_same_with_shared_prompts(one_rank_world):
+    shared, padded = _policy(True), _policy(False)
+    assert shared.share_prompts and not padded.share_prompts
+    batch, adv = _grouped_batch(shared.vocab_size, seed=1)
+    tokens = float(batch.response_len.sum())
+    for _ in range(2):  # the second update also differs from the reference: the KL term is live
+        a, b = shared.update(batch, adv, tokens), padded.update(batch, adv, tokens)
+        for key in ("loss", "kl", "entropy", "clip_frac", "grad_norm", "tokens", "logp_diff_max"):
+            assert getattr(a, key) == pytest.approx(getattr(b, key), rel=1e-4, abs=1e-6), key
+    assert a.kl > 0
+    # AdamW divides by the gradient's running RMS, so a near-zero gradient entry that differs in its last
+    # bits moves by up to lr either way; a tenth of one step (1e-4) is far below what a wrong gradient gives
+    for name, p in shared.model.named_parameters():
+        torch.testing.assert_close(p, dict(padded.model.named_parameters())[name], atol=1e-4, rtol=0)
+
+
+def test_auto_shares_gpt2_only_and_on_refuses_what_it_cannot_share():
+    from transformers import LlamaConfig
+
+    from yatt_hpc.hf_config import load_hf_config
+    from yatt_hpc.train.policy import _share_prompts
+
+    gpt2 = load_hf_config(DEMO / "policy")
+    llama = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    assert _share_prompts(TrainConfig(), gpt2, 1, DEMO / "policy") == (True, None)
+    assert _share_prompts(TrainConfig(share_prompts=False), gpt2, 1, DEMO / "policy") == (False, None)
+    share, why_not = _share_prompts(TrainConfig(), llama, 1, Path("/models/llama"))
+    assert not share and "RoPE" in why_not
+    with pytest.raises(ValueError, match=r"train.share_prompts=true .*'/models/llama' is a RoPE model.*auto"):
+        _share_prompts(TrainConfig(share_prompts=True), llama, 1, Path("/models/llama"))

@@ -1,0 +1,202 @@
+"""The trainer's forward with each prompt computed once per GRPO group instead of once per sample.
+
+    layout = build_layout(prompts, responses)                      # ragged numpy token arrays
+    logits = forward_shared(model, layout)                         # [S, V_local], S = unique tokens
+    logp, entropy = token_logprobs_and_entropy(logits[layout.source], layout.targets, ...)   # [N, R]
+
+A GRPO step samples G responses per prompt, and the padded layout ([N, P + R] rows) runs every prompt
+token through every layer G times: in the demo task prompts are 15 of 22 tokens, so two thirds of the
+trainer's matmuls recompute the same hidden states. Causal attention makes a prompt's hidden states
+independent of what follows it, so they are the same in every sample of the group.
+
+The shared layout is one flat stream of the micro-batch's distinct tokens: each distinct prompt once, then
+the response tokens of each of its samples that are inputs of a prediction (all but the last). Linear
+layers, norms and the MLP do not care how tokens are arranged; attention does, and `SharedPromptAttention`
+(the core attention of every layer our models build) gathers, for each sample, the keys and values of its
+prompt followed by its own response and runs one masked attention per query set: prompts causally over
+themselves, responses over their prompt and causally over their own tokens. Gathers are differentiable, so
+the backward sums each shared prompt's gradient over its samples, exactly what the padded layout computes.
+Positions are explicit (a response token sits at P + j), so this needs a model whose positions come in as
+position ids: learned absolute position embeddings (GPT-2). RoPE models (Megatron derives their rotary
+angles from the sequence index) and vision models keep the padded layout (`supports`).
+
+Equality with the padded layout (logprobs, entropies and every gradient, including groups of one, empty
+and one-token responses, and different prompts in one micro-batch) is what `tests/unit/test_shared_prompt.py`
+checks.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from yatt_hpc.train.mcore import DotProductAttention
+
+
+@dataclass
+class SharedLayout:
+    """Index tensors of one micro-batch's shared-prompt stream (all on the model's device)."""
+
+    tokens: torch.Tensor         # [S] the stream's token ids
+    positions: torch.Tensor      # [S] each token's position in its own sequence
+    prompt_rows: torch.Tensor    # [G, Pmax] stream index of each distinct prompt's tokens (pad: 0)
+    prompt_mask: torch.Tensor    # [G, 1, Pmax, Pmax] True where a prompt query may attend
+    response_rows: torch.Tensor  # [N, Qmax] stream index of each sample's response inputs (pad: 0)
+    key_rows: torch.Tensor       # [N, Pmax + Qmax] its keys: its prompt's rows, then its response rows
+    response_mask: torch.Tensor  # [N, 1, Qmax, Pmax + Qmax] True where a response query may attend
+    unpack: torch.Tensor         # [S] row of each stream token in cat(prompt outputs, response outputs)
+    source: torch.Tensor         # [N, R] stream position whose logits predict response token j (pad: 0)
+    targets: torch.Tensor        # [N, R] response tokens (pad: 0)
+    mask: torch.Tensor           # [N, R] 1.0 on real response tokens
+    prompts: int                 # G distinct prompts
+
+    def to(self, device: torch.device) -> SharedLayout:
+        return SharedLayout(**{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                               for k, v in vars(self).items()})
+
+
+def build_layout(prompts: list[np.ndarray], responses: list[np.ndarray]) -> SharedLayout:
+    """The shared stream of samples whose prompts are `prompts` (equal arrays share one prompt) and
+    whose sampled tokens are `responses`; samples keep their order in every [N, ...] tensor."""
+    distinct: dict[bytes, int] = {}
+    group_of = np.array([distinct.setdefault(_key(p), len(distinct)) for p in prompts], dtype=np.int64)
+    first = {g: i for i, g in reversed(list(enumerate(group_of)))}
+    group_prompts = [np.asarray(prompts[first[g]]) for g in range(len(distinct))]
+    if any(len(p) == 0 for p in group_prompts):
+        raise ValueError("a sample has an empty prompt: its first response token has nothing to be predicted from")
+    lengths = np.array([len(r) for r in responses], dtype=np.int64)
+    inputs = np.maximum(lengths - 1, 0)  # response tokens that are inputs of a later prediction
+    # stream: prompt g, then the response inputs of g's samples, group after group
+    order = np.argsort(group_of, kind="stable")
+    starts, cursor = np.zeros(len(distinct), np.int64), 0
+    response_start = np.zeros(len(prompts), np.int64)
+    tokens, positions = [], []
+    for g in range(len(distinct)):
+        starts[g], p = cursor, group_prompts[g]
+        tokens.append(p)
+        positions.append(np.arange(len(p)))
+        cursor += len(p)
+        for i in order[group_of[order] == g]:
+            response_start[i] = cursor
+            tokens.append(responses[i][:inputs[i]])
+            positions.append(len(p) + np.arange(inputs[i]))
+            cursor += inputs[i]
+    prompt_len = np.array([len(p) for p in group_prompts], np.int64)
+    p_max, q_max, r_max = int(prompt_len.max()), int(inputs.max(initial=0)), int(lengths.max(initial=0))
+    prompt_rows, prompt_valid = _rows(starts, prompt_len, p_max)
+    response_rows, response_valid = _rows(response_start, inputs, q_max)
+    key_rows = np.concatenate([prompt_rows[group_of], response_rows], axis=1)
+    causal_p = np.tril(np.ones((p_max, p_max), bool))
+    prompt_mask = causal_p[None] & prompt_valid[:, None, :]
+    causal_q = np.tril(np.ones((q_max, q_max), bool))
+    response_mask = np.concatenate([np.broadcast_to(prompt_valid[group_of][:, None, :], (len(prompts), q_max, p_max)),
+                                    causal_q[None] & response_valid[:, None, :]], axis=2)
+    # a padding query row must see some key (an all-masked softmax is NaN); its output is never read
+    prompt_mask[:, :, 0] |= ~prompt_valid
+    response_mask[:, :, 0] |= ~response_valid
+    unpack = np.empty(cursor, np.int64)
+    unpack[prompt_rows[prompt_valid]] = np.flatnonzero(prompt_valid.reshape(-1))
+    unpack[response_rows[response_valid]] = prompt_valid.size + np.flatnonzero(response_valid.reshape(-1))
+    # response token j is predicted from the prompt's last token (j = 0) or from response token j - 1
+    source, valid = _rows(response_start - 1, lengths, r_max)
+    source[:, 0] = np.where(lengths > 0, starts[group_of] + prompt_len[group_of] - 1, 0)
+    flat = np.concatenate([np.asarray(r, np.int64) for r in responses] + [np.zeros(1, np.int64)])
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    targets, _ = _rows(offsets, lengths, r_max)
+    targets = np.where(valid, flat[targets], 0)
+    stream = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64)
+    t = torch.from_numpy
+    return SharedLayout(
+        tokens=t(stream), positions=t(np.concatenate(positions).astype(np.int64)),
+        prompt_rows=t(prompt_rows), prompt_mask=t(np.ascontiguousarray(prompt_mask[:, None])),
+        response_rows=t(response_rows), key_rows=t(key_rows),
+        response_mask=t(np.ascontiguousarray(response_mask[:, None])), unpack=t(unpack),
+        source=t(source), targets=t(targets), mask=t(valid.astype(np.float32)), prompts=len(distinct))
+
+
+def padded(arrays: list[np.ndarray], width: int) -> torch.Tensor:
+    """[len(arrays), width] float32 rows, each array left-aligned and zero-padded (the rollout's logprobs)."""
+    lengths = np.array([len(a) for a in arrays], np.int64)
+    flat = np.concatenate([np.asarray(a, np.float32) for a in arrays] + [np.zeros(1, np.float32)])
+    index, valid = _rows(np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths, width)
+    return torch.from_numpy(np.where(valid, flat[index], 0.0).astype(np.float32))
+
+
+def _key(prompt: np.ndarray) -> bytes:
+    return np.asarray(prompt, dtype=np.int64).tobytes()
+
+
+def _rows(starts: np.ndarray, lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """[len(starts), width] stream indices starts[i] + j for j < lengths[i] (0 elsewhere), and validity."""
+    j = np.arange(width)[None, :]
+    valid = j < lengths[:, None]
+    return np.where(valid, starts[:, None] + j, 0), valid
+
+
+# ---------------------------------------------------------------------------------------- the forward
+
+_ACTIVE: list[SharedLayout] = []
+
+
+@contextlib.contextmanager
+def active(layout: SharedLayout) -> Iterator[None]:
+    """Every `SharedPromptAttention` runs on `layout` inside the block."""
+    _ACTIVE.append(layout)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def forward_shared(model, layout: SharedLayout) -> torch.Tensor:
+    """The model's logits [S, V_local] for every token of the stream (vocab-parallel like `forward_logits`)."""
+    # the core attention reads the layout, not the mask; Megatron only passes this one along
+    unused_mask = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=layout.tokens.device)
+    with active(layout):
+        logits = model(layout.tokens[None], layout.positions[None], unused_mask)
+    return logits[0]
+
+
+def supports(arch) -> str | None:
+    """None when the shared layout computes what the padded one does for `arch` (an `HFArch`), else why not."""
+    if arch.vision:
+        return "a vision-language model (its M-RoPE positions and image features follow the padded rows)"
+    if arch.rope_theta is not None:
+        return "a RoPE model (Megatron derives rotary angles from the row index, not from position ids)"
+    return None
+
+
+class SharedPromptAttention(DotProductAttention):
+    """Megatron's local core attention, or, inside `active(layout)`, the shared-prompt attention."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if not _ACTIVE:
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)
+        layout = _ACTIVE[-1]
+        if self.config.apply_query_key_layer_scaling or self.config.softmax_type != "vanilla" \
+                or self.config.window_size is not None:
+            raise NotImplementedError("the shared-prompt attention computes plain scaled softmax attention only")
+        # [S, 1, heads, d] -> [S, heads, d]; grouped-query keys repeated as Megatron's attention does
+        q, k, v = query[:, 0], key[:, 0], value[:, 0]
+        repeat = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        prompt_out = self._attend(q, k, v, layout.prompt_rows, layout.prompt_rows, layout.prompt_mask)
+        response_out = self._attend(q, k, v, layout.response_rows, layout.key_rows, layout.response_mask)
+        out = torch.cat([prompt_out, response_out])[layout.unpack]
+        return out.view(out.shape[0], 1, self.hidden_size_per_partition)
+
+    def _attend(self, q, k, v, query_rows, key_rows, mask) -> torch.Tensor:
+        """[rows * width, heads * d]: SDPA of the gathered queries over the gathered keys."""
+        if query_rows.numel() == 0:
+            return q.new_zeros(0, self.hidden_size_per_partition)
+        qs = q[query_rows].transpose(1, 2)  # [rows, heads, width, d]
+        ks, vs = k[key_rows].transpose(1, 2), v[key_rows].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.softmax_scale)
+        return out.transpose(1, 2).reshape(-1, self.hidden_size_per_partition)
