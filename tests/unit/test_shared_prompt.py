@@ -56,8 +56,8 @@ def test_layout_holds_each_prompt_once():
 
 def test_shared_forward_gives_the_padded_logprobs_entropies_and_gradients(one_rank_world):
     from yatt_hpc.demo.tiny_models import char_gpt2
-    from yatt_hpc.hf_config import load_hf_config
-    from yatt_hpc.train import convert, megatron_model as mm, shared_prompt
+    from yatt_hpc.train import convert, shared_prompt
+    from yatt_hpc.train import megatron_model as mm
     from yatt_hpc.train.logprobs import token_logprobs_and_entropy
     from yatt_hpc.train.policy import pack_micro_batch
 

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from yatt_hpc.train import cpu_compat
 from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
-from yatt_hpc.train.shared_prompt import SharedPromptAttention
 from yatt_hpc.train.mcore import (
     GPTModel,
     ModuleSpec,
@@ -36,6 +35,7 @@ from yatt_hpc.train.mcore import (
     parallel_state,
     tensor_parallel,
 )
+from yatt_hpc.train.shared_prompt import SharedPromptAttention
 
 
 def initialize_model_parallel(
