@@ -67,6 +67,7 @@ EFFECT: dict[str, str] = {
     "train.balance": f"{RUN}::test_balance_none_moves_nothing_and_flops_balances_every_step",
     "train.balance_flops_coeff": "tests/unit/test_balance.py::"
                                  "test_balance_and_balance_flops_coeff_choose_the_workload_groups_are_split_by",
+    "train.share_prompts": "tests/unit/test_shared_prompt.py::test_policy_update_is_the_same_with_shared_prompts",
     "train.train_vision_tower": "tests/unit/test_vlm_policy.py::test_train_vision_tower_decides_whether_the_tower_moves",
     # ---------------------------------------------------------------- rollout
     "rollout.engine": f"{EFFECTS}::test_rollout_requests_carry_the_configured_sampling",

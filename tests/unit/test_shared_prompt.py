@@ -105,6 +105,10 @@ def _policy(share: bool):
 def test_policy_update_is_the_same_with_shared_prompts(one_rank_world):
     shared, padded = _policy(True), _policy(False)
     assert shared.share_prompts and not padded.share_prompts
+    fed = {id(shared): [], id(padded): []}  # token ids each policy's forward embeds
+    for policy in (shared, padded):
+        policy.model.embedding.register_forward_pre_hook(
+            lambda _m, _a, kw, out=fed[id(policy)]: out.append(kw["input_ids"].numel()), with_kwargs=True)
     batch, adv = _grouped_batch(shared.vocab_size, seed=1)
     tokens = float(batch.response_len.sum())
     for _ in range(2):  # the second update also differs from the reference: the KL term is live
@@ -112,6 +116,8 @@ def test_policy_update_is_the_same_with_shared_prompts(one_rank_world):
         for key in ("loss", "kl", "entropy", "clip_frac", "grad_norm", "tokens", "logp_diff_max"):
             assert getattr(a, key) == pytest.approx(getattr(b, key), rel=1e-4, abs=1e-6), key
     assert a.kl > 0
+    # the setting takes effect: the shared forward embedded each prompt once, the padded one per sample
+    assert sum(fed[id(shared)]) < 0.7 * sum(fed[id(padded)])
     # AdamW divides by the gradient's running RMS, so a near-zero gradient entry that differs in its last
     # bits moves by up to lr either way; a tenth of one step (1e-4) is far below what a wrong gradient gives
     for name, p in shared.model.named_parameters():
