@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import (
     GPT2Config,
@@ -113,6 +114,24 @@ def param_grads_vs_hf(hf: torch.nn.Module, model: torch.nn.Module, input_ids: to
     return max(_max_diff(merged[n], p.grad) for n, p in expected.items()) / scale
 
 
+def shared_vs_padded(model, input_ids: torch.Tensor, tp_group, vocab: int) -> float:
+    """Largest response-logprob difference between the shared-prompt forward and the padded rows, on
+    three samples cut from `input_ids` (two share a prompt), with vocab-parallel logits."""
+    from yatt_hpc.train import shared_prompt
+
+    ids = input_ids.numpy()
+    prompts, responses = [ids[0, :5], ids[0, :5], ids[1, :7]], [ids[0, 5:9], ids[1, 9:16], ids[1, 7:8]]
+    rows = [torch.from_numpy(np.concatenate([p, r])) for p, r in zip(prompts, responses)]
+    tokens = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    with torch.no_grad():
+        padded, _ = token_logprobs_and_entropy(mm.forward_logits(model, tokens[:, :-1]), tokens[:, 1:], tp_group, vocab)
+        layout = shared_prompt.build_layout(prompts, responses)
+        shared, _ = token_logprobs_and_entropy(shared_prompt.forward_shared(model, layout)[layout.source],
+                                               layout.targets, tp_group, vocab)
+    return max(_max_diff(shared[i, :len(r)], padded[i, len(p) - 1:len(p) - 1 + len(r)])
+               for i, (p, r) in enumerate(zip(prompts, responses)))
+
+
 def check_case(case: str, tp_group) -> dict:
     """Everything the TP=2 test asserts on, measured on this rank."""
     start = time.perf_counter()
@@ -153,6 +172,7 @@ def check_case(case: str, tp_group) -> dict:
         "grad_tp_vs_tp1_max_abs_diff": _max_diff(
             leaf.grad, ref_grad[..., tp_rank * width:(tp_rank + 1) * width]),
         "param_grads_vs_hf_max_rel_diff": grad_diff,
+        "shared_prompt_vs_padded_logp_max_abs_diff": shared_vs_padded(model, input_ids, tp_group, config.vocab_size),
         "gathered_keys_equal": sorted(gathered) == sorted(hf_sd),
         "gathered_bitwise_equal": all(torch.equal(gathered[k], hf_sd[k]) for k in hf_sd),
         "local_vocab_width": width,

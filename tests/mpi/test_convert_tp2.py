@@ -55,6 +55,13 @@ def test_tp2_parameter_gradients_on_every_rank_equal_hf_gradients(tp2_reports, c
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_tp2_shared_prompt_forward_gives_the_padded_logprobs(tp2_reports, case):
+    """train/shared_prompt.py with vocab-parallel logits and heads split over TP (the unit test is TP=1)."""
+    for report in tp2_reports:
+        assert report["cases"][case]["shared_prompt_vs_padded_logp_max_abs_diff"] <= TOLERANCE
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_tp2_shards_gathered_to_hf_equal_the_original_state_dict(tp2_reports, case):
     for report in tp2_reports:
         assert report["cases"][case]["gathered_keys_equal"]

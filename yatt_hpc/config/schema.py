@@ -150,9 +150,9 @@ class TrainConfig(Section):
     share_prompts: bool | Literal["auto"] = "auto"
     """Run each distinct prompt through the trainer's forward once per micro-batch instead of once per sample
     (a GRPO group's samples share it; `train/shared_prompt.py`): the same logprobs and gradients with fewer
-    tokens. `auto` uses it where the model allows (learned position embeddings, no vision tower: GPT-2) and
-    the padded rows elsewhere (RoPE and vision-language models); true refuses a model that does not allow it;
-    false always pads."""
+    tokens. `auto` uses it where the model allows (text models: GPT-2, Llama, Qwen2, Qwen3) and the padded rows
+    for vision-language models (their M-RoPE positions and image features follow the rows); true refuses a
+    model that does not allow it; false always pads."""
     train_vision_tower: bool = False
     """Vision-language policies (Qwen2-VL): train the vision tower too (it is then in the optimizer, the
     data-parallel all-reduce and the weight sync); false keeps it frozen at the checkpoint's weights and

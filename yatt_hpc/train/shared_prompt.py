@@ -16,9 +16,9 @@ layers, norms and the MLP do not care how tokens are arranged; attention does, a
 prompt followed by its own response and runs one masked attention per query set: prompts causally over
 themselves, responses over their prompt and causally over their own tokens. Gathers are differentiable, so
 the backward sums each shared prompt's gradient over its samples, exactly what the padded layout computes.
-Positions are explicit (a response token sits at P + j), so this needs a model whose positions come in as
-position ids: learned absolute position embeddings (GPT-2). RoPE models (Megatron derives their rotary
-angles from the sequence index) and vision models keep the padded layout (`supports`).
+Positions are explicit (a response token sits at P + j): GPT-2's learned position embeddings take them as
+ids, and a RoPE model's rotary angles are looked up by them (`_rotary_at`). Vision-language models keep the
+padded layout (`supports`): their M-RoPE positions and image features follow the padded rows.
 
 Equality with the padded layout (logprobs, entropies and every gradient, including groups of one, empty
 and one-token responses, and different prompts in one micro-batch) is what `tests/unit/test_shared_prompt.py`
@@ -156,17 +156,34 @@ def forward_shared(model, layout: SharedLayout) -> torch.Tensor:
     """The model's logits [S, V_local] for every token of the stream (vocab-parallel like `forward_logits`)."""
     # the core attention reads the layout, not the mask; Megatron only passes this one along
     unused_mask = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=layout.tokens.device)
-    with active(layout):
+    with active(layout), _rotary_at(model, layout.positions):
         logits = model(layout.tokens[None], layout.positions[None], unused_mask)
     return logits[0]
+
+
+@contextlib.contextmanager
+def _rotary_at(model, positions: torch.Tensor) -> Iterator[None]:
+    """A RoPE model's rotary angles at each stream token's own position.
+
+    Megatron's GPTModel asks its RotaryEmbedding for the angles of positions 0..S-1 and applies row s
+    to token s; a stream token's position is not its row, so the angles of rows 0..max(position) are
+    computed by Megatron's own module (scaling included) and handed out by position instead."""
+    rope = getattr(model, "rotary_pos_emb", None)
+    if getattr(model, "position_embedding_type", None) != "rope" or rope is None:
+        yield
+        return
+    by_position = rope(int(positions.max()) + 1)[positions]  # [S, 1, 1, rotary dim]
+    rope.forward = lambda *args, **kwargs: by_position
+    try:
+        yield
+    finally:
+        del rope.forward
 
 
 def supports(arch) -> str | None:
     """None when the shared layout computes what the padded one does for `arch` (an `HFArch`), else why not."""
     if arch.vision:
         return "a vision-language model (its M-RoPE positions and image features follow the padded rows)"
-    if arch.rope_theta is not None:
-        return "a RoPE model (Megatron derives rotary angles from the row index, not from position ids)"
     return None
 
 
