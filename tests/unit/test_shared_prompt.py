@@ -42,7 +42,7 @@ def test_layout_holds_each_prompt_once():
     from yatt_hpc.train.shared_prompt import build_layout
 
     batch, _ = _grouped_batch(50)
-    layout = build_layout(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"))
+    layout = build_layout(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"), batch.prompt_id)
     assert layout.prompts == 3
     assert len(layout.tokens) == 5 + 9 + 5 + sum(max(int(r) - 1, 0) for r in batch.response_len)
     for i, (p, r) in enumerate(zip(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"))):
@@ -53,6 +53,11 @@ def test_layout_holds_each_prompt_once():
             # then from the response's own tokens at positions P, P+1, ...
             assert layout.tokens[layout.source[i, 1:n]].tolist() == r[:-1].tolist()
             assert layout.positions[layout.source[i, 1:n]].tolist() == list(range(len(p), len(p) + n - 1))
+    # the same text in two groups (two images, say) is two prompts; equal tokens without group ids are one
+    same = [np.arange(3, 9)] * 4
+    answers = [np.array([5, 6]), np.array([7]), np.array([8, 9, 10]), np.array([11])]
+    assert build_layout(same, answers, np.array([4, 4, 5, 5])).prompts == 2
+    assert build_layout(same, answers).prompts == 1
 
 
 @pytest.mark.parametrize("case", [pytest.param(name, id=name) for name in TINY_CASES])
@@ -79,7 +84,8 @@ def test_shared_forward_gives_the_padded_logprobs_entropies_and_gradients(one_ra
     padded_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     model.zero_grad(set_to_none=True)
-    layout = shared_prompt.build_layout(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"))
+    layout = shared_prompt.build_layout(batch.ragged("prompt_tokens"), batch.ragged("response_tokens"),
+                                        batch.prompt_id)
     logits = shared_prompt.forward_shared(model, layout)
     assert logits.shape[0] == len(layout.tokens) < tokens[:, :-1].numel()
     s_logp, s_ent = token_logprobs_and_entropy(logits[layout.source], layout.targets, None, vocab)
@@ -130,20 +136,3 @@ def test_policy_update_is_the_same_with_shared_prompts(one_rank_world):
     # bits moves by up to lr either way; a tenth of one step (1e-4) is far below what a wrong gradient gives
     for name, p in shared.model.named_parameters():
         torch.testing.assert_close(p, dict(padded.model.named_parameters())[name], atol=1e-4, rtol=0)
-
-
-def test_auto_shares_text_models_and_true_refuses_a_vision_model(tmp_path):
-    from yatt_hpc.demo.tiny_vlm import tiny_qwen2_vl
-    from yatt_hpc.hf_config import load_hf_config
-    from yatt_hpc.train.policy import _share_prompts
-
-    gpt2 = load_hf_config(DEMO / "policy")
-    llama = tiny_hf_model("llama3-rope-scaling").config
-    vlm = tiny_qwen2_vl().config
-    assert _share_prompts(TrainConfig(), gpt2, 1, DEMO / "policy") == (True, None)
-    assert _share_prompts(TrainConfig(), llama, 1, Path("/models/llama")) == (True, None)
-    assert _share_prompts(TrainConfig(share_prompts=False), gpt2, 1, DEMO / "policy") == (False, None)
-    share, why_not = _share_prompts(TrainConfig(), vlm, 1, Path("/models/vl"))
-    assert not share and "vision-language" in why_not
-    with pytest.raises(ValueError, match=r"train.share_prompts=true .*'/models/vl' is a vision-language.*auto"):
-        _share_prompts(TrainConfig(share_prompts=True), vlm, 1, Path("/models/vl"))

@@ -142,3 +142,31 @@ def test_an_image_pad_the_policy_sampled_is_text_in_the_trainer_as_in_the_engine
     last = int(batch.prompt_len[0])  # the sampled pad sits at the end of the prompt + 1: a text position
     assert images.position_ids[0, 0, last].item() == images.position_ids[0, 0, last - 1].item() + 1
     assert ((ours - theirs).abs() * mask).max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("train_tower", [False, True])
+def test_shared_prompt_update_on_image_prompts_equals_the_padded_update(vlm_dir, one_rank_world, train_tower):
+    """Each group's image prompt goes through the tower and the decoder once (train/shared_prompt.py): the
+    same update as the padded rows, with a group split over two micro-batches (3 + 1 samples) and an image
+    pad the policy sampled (text, not an image slot)."""
+    shared = _policy(vlm_dir, one_rank_world, train_vision_tower=train_tower, share_prompts=True)
+    padded = _policy(vlm_dir, one_rank_world, train_vision_tower=train_tower, share_prompts=False)
+    assert shared.share_prompts and not padded.share_prompts
+    embedded: dict[str, list[int]] = {"shared": [], "padded": []}
+    for name, policy in (("shared", shared), ("padded", padded)):
+        policy.model.embedding.register_forward_pre_hook(
+            (lambda out: lambda _m, _a, kw: out.append(kw["input_ids"].numel()))(embedded[name]), with_kwargs=True)
+    batch = _batch(vlm_dir)
+    responses = batch.ragged("response_tokens")
+    responses[1] = np.array([IMAGE_PAD_ID, *responses[1]], np.int32)
+    batch.response_tokens = np.concatenate(responses).astype(np.int32)
+    batch.response_len = np.array([len(r) for r in responses], np.int32)
+    batch.logprobs = np.full(int(batch.response_len.sum()), -3.0, np.float32)
+    adv, tokens = np.array([1.0, -1.0, 0.5, -0.5], np.float32), float(batch.response_len.sum())
+    a, b = shared.update(batch, adv, tokens), padded.update(batch, adv, tokens)
+    for key in ("loss", "entropy", "clip_frac", "grad_norm", "tokens", "logp_diff_max"):
+        assert getattr(a, key) == pytest.approx(getattr(b, key), rel=1e-4, abs=1e-6), key
+    assert 0 < sum(embedded["shared"]) < sum(embedded["padded"])
+    theirs = dict(padded.model.named_parameters())
+    for name, p in shared.model.named_parameters():  # AdamW: a tenth of one lr=1e-2 step
+        torch.testing.assert_close(p, theirs[name], atol=1e-3, rtol=0, msg=name)

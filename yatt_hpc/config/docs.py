@@ -5,7 +5,6 @@ import ast
 import functools
 import inspect
 import textwrap
-import types
 import typing
 
 import yaml
@@ -37,10 +36,6 @@ def _rows(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
 def _type_name(ann: object) -> str:
     if typing.get_origin(ann) is typing.Literal:
         return " \\| ".join(str(a) for a in typing.get_args(ann))
-    args = typing.get_args(ann)
-    if typing.get_origin(ann) in (typing.Union, types.UnionType) and any(typing.get_origin(a) is typing.Literal
-                                                                          for a in args):  # bool | Literal["auto"]
-        return " \\| ".join(_type_name(a) for a in args)
     text = getattr(ann, "__name__", None) or str(ann)
     return text.replace("typing.", "").replace("|", "\\|")
 

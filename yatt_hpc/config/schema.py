@@ -147,24 +147,17 @@ class TrainConfig(Section):
     over plain token counts, or none. Whole GRPO groups move; a group is never split."""
     balance_flops_coeff: float | None = Field(None, gt=0)
     """`a` in the FLOPs proxy a*L + L^2; null derives 6*hidden_size from the model."""
-    share_prompts: bool | Literal["auto"] = "auto"
-    """Run each distinct prompt through the trainer's forward once per micro-batch instead of once per sample
-    (a GRPO group's samples share it; `train/shared_prompt.py`): the same logprobs and gradients with fewer
-    tokens. `auto` uses it where the model allows (text models: GPT-2, Llama, Qwen2, Qwen3) and the padded rows
-    for vision-language models (their M-RoPE positions and image features follow the rows); true refuses a
-    model that does not allow it; false always pads."""
+    share_prompts: bool = True
+    """Run each distinct prompt (and its images) through the trainer's forward once per micro-batch instead of
+    once per sample (a GRPO group's samples share it; `train/shared_prompt.py`): the same logprobs and
+    gradients from fewer tokens. False pads every sample to its own row."""
     train_vision_tower: bool = False
     """Vision-language policies (Qwen2-VL): train the vision tower too (it is then in the optimizer, the
     data-parallel all-reduce and the weight sync); false keeps it frozen at the checkpoint's weights and
     syncs only the language model. True with a text-only model is refused."""
 
 
-    @field_validator("share_prompts", mode="before")
-    @classmethod
-    def _auto_or_bool(cls, value):
-        if value == "auto" or isinstance(value, bool):
-            return value
-        raise ValueError(f"train.share_prompts: invalid value {value!r}; use auto, true or false")
+
 
 class DynamicSamplingConfig(Section):
     """DAPO-style filtering of zero-variance prompt groups, refilled in waves (WeChat-YATT v4)."""

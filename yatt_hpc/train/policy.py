@@ -39,7 +39,6 @@ from yatt_hpc.offload import HostParking
 from yatt_hpc.train import convert, megatron_model, shared_prompt
 from yatt_hpc.train.adamw import AdamW
 from yatt_hpc.train.grpo import policy_loss
-from yatt_hpc.train.hf_arch import describe_hf_config
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
 from yatt_hpc.vision.processor import ImageProcessor, decode_rgb
@@ -74,7 +73,8 @@ class MegatronPolicy:
                  images: ImageProcessor | None = None, share_prompts: bool = False):
         self.model = model
         self.share_prompts = share_prompts  # the shared-prompt forward (train/shared_prompt.py)
-        self.layout_note = "each prompt once per micro-batch" if share_prompts else "padded rows"
+        self.layout_note = "each prompt once per micro-batch" if share_prompts else \
+            "padded rows (train.share_prompts=false)"
         self.hf_config = hf_config
         self.cfg = cfg
         self.reference = reference
@@ -113,11 +113,8 @@ class MegatronPolicy:
             megatron_model.load_megatron_shard(reference, shard)
             reference.eval().requires_grad_(False)
         images = ImageProcessor.from_model_dir(model_dir) if vision else None
-        share, why_not = _share_prompts(cfg, hf_config, tp_size, model_dir)
-        policy = cls(model, hf_config, cfg, reference, temperature=temperature, images=images, share_prompts=share)
-        policy.layout_note = "each prompt once per micro-batch (train.share_prompts)" if share else \
-            f"padded rows ({'train.share_prompts=false' if cfg.share_prompts is False else why_not})"
-        return policy
+        return cls(model, hf_config, cfg, reference, temperature=temperature, images=images,
+                   share_prompts=cfg.share_prompts)
 
     # ------------------------------------------------------------------ the update
 
@@ -181,7 +178,7 @@ class MegatronPolicy:
     def _micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float,
                     pixels: dict[int, tuple[np.ndarray, np.ndarray]]) -> UpdateStats:
         if self.share_prompts:
-            return self._shared_micro_step(mb, adv, global_tokens)
+            return self._shared_micro_step(mb, adv, global_tokens, pixels)
         tokens, mask, old_logp = (t.to(self.device) for t in pack_micro_batch(mb))
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         images = self.vision_inputs(mb, inputs, pixels)
@@ -196,21 +193,57 @@ class MegatronPolicy:
                                                          self.vocab_size, self.temperature)
         return self._loss_backward(logp, entropy, ref_logp, old_logp, mask, adv, global_tokens)
 
-    def _shared_micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float) -> UpdateStats:
+    def _shared_micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float,
+                           pixels: dict[int, tuple[np.ndarray, np.ndarray]]) -> UpdateStats:
         """`_micro_step` on the shared-prompt stream: [N, R] response-aligned logprobs instead of [N, L-1]."""
-        layout = shared_prompt.build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"))
+        layout = shared_prompt.build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"), mb.prompt_id)
         old_logp = shared_prompt.padded(mb.ragged("logprobs"), layout.targets.shape[1])
+        vision = self._shared_vision(mb, layout, pixels)
         layout, old_logp = layout.to(self.device), old_logp.to(self.device)
-        logp, entropy = self._shared_logprobs(self.model, layout)
+        logp, entropy = self._shared_logprobs(self.model, layout, vision)
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad():
-                ref_logp, _ = self._shared_logprobs(self.reference, layout)
+                ref_logp, _ = self._shared_logprobs(self.reference, layout, vision)
         return self._loss_backward(logp, entropy, ref_logp, old_logp, layout.mask, adv, global_tokens)
 
-    def _shared_logprobs(self, model, layout: shared_prompt.SharedLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = shared_prompt.forward_shared(model, layout)[layout.source]  # [N, R, V_local]
+    def _shared_logprobs(self, model, layout: shared_prompt.SharedLayout,
+                         vision: megatron_model.VisionInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = decoder_input = None
+        if vision is not None:  # this model's own embeddings and tower (the reference's are frozen copies)
+            positions = vision.position_ids
+            decoder_input = megatron_model.vision_decoder_input(model, layout.tokens[None], vision)
+        logits = shared_prompt.forward_shared(model, layout, positions, decoder_input)[layout.source]
         return token_logprobs_and_entropy(logits, layout.targets, self.tp_group, self.vocab_size, self.temperature)
+
+    def _shared_vision(self, mb: SampleBatch, layout: shared_prompt.SharedLayout,
+                       pixels: dict[int, tuple[np.ndarray, np.ndarray]]) -> megatron_model.VisionInputs | None:
+        """A vision-language policy's inputs for the stream: each distinct prompt's images once, in stream
+        order, and every stream token's M-RoPE position (a response token continues its prompt's text
+        positions as in the padded row); None for a text policy."""
+        if self.images is None:
+            return None
+        prompts, empty = mb.ragged("prompt_tokens"), (np.zeros((0, 0), np.float32), np.zeros((0, 3), np.int64))
+        rows, prompt_positions, shift = [], [], []
+        for i in layout.group_first.tolist():
+            prompt, (values, grids) = prompts[i], pixels.get(int(mb.prompt_id[i]), empty)
+            self.images.check_tokens(prompt.tolist(), grids, f"sample {int(mb.sample_id[i])}")
+            # positions of the prompt and of one text token after it (where every response starts)
+            both = self.images.mrope_positions(np.append(prompt, 0).tolist(), grids, len(prompt))
+            rows.append((values, grids))
+            prompt_positions.append(both[:, :-1])
+            shift.append(int(both[0, -1]) - len(prompt))  # response token j: its P + j, shifted
+        in_prompt, text = layout.in_prompt.numpy(), layout.positions.numpy()
+        positions = np.empty((3, len(text)), np.int64)
+        positions[:, in_prompt] = np.concatenate(prompt_positions, axis=1)
+        positions[:, ~in_prompt] = text[~in_prompt] + np.array(shift)[layout.token_group.numpy()[~in_prompt]]
+        with_images = [r for r in rows if len(r[1])]
+        to = self.device
+        return megatron_model.VisionInputs(
+            torch.from_numpy(np.concatenate([p for p, _ in with_images])).to(to) if with_images else None,
+            torch.from_numpy(np.concatenate([g for _, g in with_images])).to(to) if with_images else None,
+            torch.from_numpy(positions)[:, None, :].to(to),
+            ((layout.tokens == self.images.image_token_id) & layout.in_prompt)[None].to(to))
 
     def _loss_backward(self, logp, entropy, ref_logp, old_logp, mask, adv: np.ndarray,
                        global_tokens: float) -> UpdateStats:
@@ -312,18 +345,6 @@ class MegatronPolicy:
         """(hf_name, tensor) of the full model; collective over the TP group (all TP ranks iterate)."""
         return convert.iter_gathered_hf_weights(self.model, self.hf_config, self.tp_group,
                                                 vision=self.cfg.train_vision_tower)
-
-
-def _share_prompts(cfg: TrainConfig, hf_config, tp_size: int, model_dir: Path) -> tuple[bool, str | None]:
-    """Whether the update runs the shared-prompt forward (`train.share_prompts` and what the model allows),
-    and why not when the model does not allow it."""
-    if cfg.share_prompts is False:
-        return False, None
-    why_not = shared_prompt.supports(describe_hf_config(hf_config, tp_size))
-    if why_not and cfg.share_prompts is True:
-        raise ValueError(f"train.share_prompts=true but model.path={str(model_dir)!r} is {why_not}; "
-                         "set train.share_prompts: auto (shared where the model allows) or false")
-    return why_not is None, why_not
 
 
 def _master_copy(p: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The trainer's forward with each prompt computed once per GRPO group instead of once per sample.
 
-    layout = build_layout(prompts, responses)                      # ragged numpy token arrays
+    layout = build_layout(prompts, responses, prompt_ids)          # ragged numpy token arrays, group ids
     logits = forward_shared(model, layout)                         # [S, V_local], S = unique tokens
     logp, entropy = token_logprobs_and_entropy(logits[layout.source], layout.targets, ...)   # [N, R]
 
@@ -17,8 +17,9 @@ prompt followed by its own response and runs one masked attention per query set:
 themselves, responses over their prompt and causally over their own tokens. Gathers are differentiable, so
 the backward sums each shared prompt's gradient over its samples, exactly what the padded layout computes.
 Positions are explicit (a response token sits at P + j): GPT-2's learned position embeddings take them as
-ids, and a RoPE model's rotary angles are looked up by them (`_rotary_at`). Vision-language models keep the
-padded layout (`supports`): their M-RoPE positions and image features follow the padded rows.
+ids, a RoPE model's rotary angles are looked up by them (`_rotary_at`), and a vision-language model's M-RoPE
+positions are given per stream token (`MegatronPolicy._shared_vision`); its images go through the tower once
+per distinct prompt too.
 
 Equality with the padded layout (logprobs, entropies and every gradient, including groups of one, empty
 and one-token responses, and different prompts in one micro-batch) is what `tests/unit/test_shared_prompt.py`
@@ -52,6 +53,9 @@ class SharedLayout:
     source: torch.Tensor         # [N, R] stream position whose logits predict response token j (pad: 0)
     targets: torch.Tensor        # [N, R] response tokens (pad: 0)
     mask: torch.Tensor           # [N, R] 1.0 on real response tokens
+    in_prompt: torch.Tensor      # [S] True on prompt tokens
+    token_group: torch.Tensor    # [S] distinct prompt each stream token belongs to
+    group_first: torch.Tensor    # [G] a sample (its first) of each distinct prompt, in stream order
     prompts: int                 # G distinct prompts
 
     def to(self, device: torch.device) -> SharedLayout:
@@ -59,11 +63,15 @@ class SharedLayout:
                                for k, v in vars(self).items()})
 
 
-def build_layout(prompts: list[np.ndarray], responses: list[np.ndarray]) -> SharedLayout:
-    """The shared stream of samples whose prompts are `prompts` (equal arrays share one prompt) and
-    whose sampled tokens are `responses`; samples keep their order in every [N, ...] tensor."""
-    distinct: dict[bytes, int] = {}
-    group_of = np.array([distinct.setdefault(_key(p), len(distinct)) for p in prompts], dtype=np.int64)
+def build_layout(prompts: list[np.ndarray], responses: list[np.ndarray],
+                 groups: np.ndarray | None = None) -> SharedLayout:
+    """The shared stream of samples whose prompts are `prompts` and whose sampled tokens are `responses`;
+    samples keep their order in every [N, ...] tensor. Samples share a prompt when its tokens are equal and
+    so are their `groups` (the prompt ids: two groups may ask the same text about different images)."""
+    groups = np.zeros(len(prompts), np.int64) if groups is None else np.asarray(groups, np.int64)
+    distinct: dict[tuple[int, bytes], int] = {}
+    group_of = np.array([distinct.setdefault((int(g), _key(p)), len(distinct)) for g, p in zip(groups, prompts)],
+                        dtype=np.int64)
     first = {g: i for i, g in reversed(list(enumerate(group_of)))}
     group_prompts = [np.asarray(prompts[first[g]]) for g in range(len(distinct))]
     if any(len(p) == 0 for p in group_prompts):
@@ -109,13 +117,18 @@ def build_layout(prompts: list[np.ndarray], responses: list[np.ndarray]) -> Shar
     targets, _ = _rows(offsets, lengths, r_max)
     targets = np.where(valid, flat[targets], 0)
     stream = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64)
+    in_prompt = np.zeros(cursor, bool)
+    in_prompt[prompt_rows[prompt_valid]] = True
+    token_group = np.repeat(np.arange(len(distinct)), np.diff(np.append(starts, cursor)))
     t = torch.from_numpy
     return SharedLayout(
         tokens=t(stream), positions=t(np.concatenate(positions).astype(np.int64)),
         prompt_rows=t(prompt_rows), prompt_mask=t(np.ascontiguousarray(prompt_mask[:, None])),
         response_rows=t(response_rows), key_rows=t(key_rows),
         response_mask=t(np.ascontiguousarray(response_mask[:, None])), unpack=t(unpack),
-        source=t(source), targets=t(targets), mask=t(valid.astype(np.float32)), prompts=len(distinct))
+        source=t(source), targets=t(targets), mask=t(valid.astype(np.float32)), in_prompt=t(in_prompt),
+        token_group=t(token_group), group_first=t(np.array([first[g] for g in range(len(distinct))], np.int64)),
+        prompts=len(distinct))
 
 
 def padded(arrays: list[np.ndarray], width: int) -> torch.Tensor:
@@ -152,12 +165,16 @@ def active(layout: SharedLayout) -> Iterator[None]:
         _ACTIVE.pop()
 
 
-def forward_shared(model, layout: SharedLayout) -> torch.Tensor:
-    """The model's logits [S, V_local] for every token of the stream (vocab-parallel like `forward_logits`)."""
+def forward_shared(model, layout: SharedLayout, position_ids: torch.Tensor | None = None,
+                   decoder_input: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits [S, V_local] for every token of the stream (vocab-parallel like `forward_logits`).
+    A vision-language model passes its M-RoPE `position_ids` [3, 1, S] and the stream's embeddings with
+    the image features in (`decoder_input`, `megatron_model.vision_decoder_input`)."""
     # the core attention reads the layout, not the mask; Megatron only passes this one along
     unused_mask = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=layout.tokens.device)
+    positions = layout.positions[None] if position_ids is None else position_ids
     with active(layout), _rotary_at(model, layout.positions):
-        logits = model(layout.tokens[None], layout.positions[None], unused_mask)
+        logits = model(layout.tokens[None], positions, unused_mask, decoder_input=decoder_input)
     return logits[0]
 
 
@@ -178,13 +195,6 @@ def _rotary_at(model, positions: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         del rope.forward
-
-
-def supports(arch) -> str | None:
-    """None when the shared layout computes what the padded one does for `arch` (an `HFArch`), else why not."""
-    if arch.vision:
-        return "a vision-language model (its M-RoPE positions and image features follow the padded rows)"
-    return None
 
 
 class SharedPromptAttention(DotProductAttention):
