@@ -157,8 +157,6 @@ class TrainConfig(Section):
     syncs only the language model. True with a text-only model is refused."""
 
 
-
-
 class DynamicSamplingConfig(Section):
     """DAPO-style filtering of zero-variance prompt groups, refilled in waves (WeChat-YATT v4)."""
 

@@ -94,41 +94,55 @@ def build_layout(prompts: list[np.ndarray], responses: list[np.ndarray],
             positions.append(len(p) + np.arange(inputs[i]))
             cursor += inputs[i]
     prompt_len = np.array([len(p) for p in group_prompts], np.int64)
-    p_max, q_max, r_max = int(prompt_len.max()), int(inputs.max(initial=0)), int(lengths.max(initial=0))
-    prompt_rows, prompt_valid = _rows(starts, prompt_len, p_max)
-    response_rows, response_valid = _rows(response_start, inputs, q_max)
-    key_rows = np.concatenate([prompt_rows[group_of], response_rows], axis=1)
-    causal_p = np.tril(np.ones((p_max, p_max), bool))
-    prompt_mask = causal_p[None] & prompt_valid[:, None, :]
-    causal_q = np.tril(np.ones((q_max, q_max), bool))
-    response_mask = np.concatenate([np.broadcast_to(prompt_valid[group_of][:, None, :], (len(prompts), q_max, p_max)),
-                                    causal_q[None] & response_valid[:, None, :]], axis=2)
-    # a padding query row must see some key (an all-masked softmax is NaN); its output is never read
-    prompt_mask[:, :, 0] |= ~prompt_valid
-    response_mask[:, :, 0] |= ~response_valid
-    unpack = np.empty(cursor, np.int64)
-    unpack[prompt_rows[prompt_valid]] = np.flatnonzero(prompt_valid.reshape(-1))
-    unpack[response_rows[response_valid]] = prompt_valid.size + np.flatnonzero(response_valid.reshape(-1))
-    # response token j is predicted from the prompt's last token (j = 0) or from response token j - 1
-    source, valid = _rows(response_start - 1, lengths, r_max)
-    source[:, 0] = np.where(lengths > 0, starts[group_of] + prompt_len[group_of] - 1, 0)
-    flat = np.concatenate([np.asarray(r, np.int64) for r in responses] + [np.zeros(1, np.int64)])
-    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    targets, _ = _rows(offsets, lengths, r_max)
-    targets = np.where(valid, flat[targets], 0)
+    prompt_rows, prompt_valid = _rows(starts, prompt_len, int(prompt_len.max()))
+    rows = _attention_rows(prompt_rows, prompt_valid, group_of, response_start, inputs, cursor)
+    source, targets, valid = _predictions(responses, lengths, response_start,
+                                          starts[group_of] + prompt_len[group_of] - 1)
     stream = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64)
     in_prompt = np.zeros(cursor, bool)
     in_prompt[prompt_rows[prompt_valid]] = True
     token_group = np.repeat(np.arange(len(distinct)), np.diff(np.append(starts, cursor)))
     t = torch.from_numpy
     return SharedLayout(
-        tokens=t(stream), positions=t(np.concatenate(positions).astype(np.int64)),
-        prompt_rows=t(prompt_rows), prompt_mask=t(np.ascontiguousarray(prompt_mask[:, None])),
-        response_rows=t(response_rows), key_rows=t(key_rows),
-        response_mask=t(np.ascontiguousarray(response_mask[:, None])), unpack=t(unpack),
+        tokens=t(stream), positions=t(np.concatenate(positions).astype(np.int64)), **rows,
         source=t(source), targets=t(targets), mask=t(valid.astype(np.float32)), in_prompt=t(in_prompt),
         token_group=t(token_group), group_first=t(np.array([first[g] for g in range(len(distinct))], np.int64)),
         prompts=len(distinct))
+
+
+def _predictions(responses: list[np.ndarray], lengths: np.ndarray, response_start: np.ndarray,
+                 last_prompt_token: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[N, R] stream position whose logits predict each response token (the prompt's last token for the
+    first, response token j - 1 for token j), the tokens themselves, and which entries are real."""
+    source, valid = _rows(response_start - 1, lengths, int(lengths.max(initial=0)))
+    if source.shape[1]:  # (a micro-batch whose responses are all empty predicts nothing)
+        source[:, 0] = np.where(lengths > 0, last_prompt_token, 0)
+    flat = np.concatenate([np.asarray(r, np.int64) for r in responses] + [np.zeros(1, np.int64)])
+    index, _ = _rows(np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths, source.shape[1])
+    return source, np.where(valid, flat[index], 0), valid
+
+
+def _attention_rows(prompt_rows: np.ndarray, prompt_valid: np.ndarray, group_of: np.ndarray,
+                    response_start: np.ndarray, inputs: np.ndarray, size: int) -> dict[str, torch.Tensor]:
+    """The layout's gather indices and masks for the two query sets (prompts; each sample's response),
+    and where each stream token's output sits in their concatenation."""
+    q_max, p_max = int(inputs.max(initial=0)), prompt_rows.shape[1]
+    response_rows, response_valid = _rows(response_start, inputs, q_max)
+    key_rows = np.concatenate([prompt_rows[group_of], response_rows], axis=1)
+    prompt_mask = np.tril(np.ones((p_max, p_max), bool))[None] & prompt_valid[:, None, :]
+    response_mask = np.concatenate(
+        [np.broadcast_to(prompt_valid[group_of][:, None, :], (len(group_of), q_max, p_max)),
+         np.tril(np.ones((q_max, q_max), bool))[None] & response_valid[:, None, :]], axis=2)
+    # a padding query row must see some key (an all-masked softmax is NaN); its output is never read
+    prompt_mask[:, :, 0] |= ~prompt_valid
+    response_mask[:, :, 0] |= ~response_valid
+    unpack = np.empty(size, np.int64)
+    unpack[prompt_rows[prompt_valid]] = np.flatnonzero(prompt_valid.reshape(-1))
+    unpack[response_rows[response_valid]] = prompt_valid.size + np.flatnonzero(response_valid.reshape(-1))
+    t = torch.from_numpy
+    return {"prompt_rows": t(prompt_rows), "prompt_mask": t(np.ascontiguousarray(prompt_mask[:, None])),
+            "response_rows": t(response_rows), "key_rows": t(key_rows),
+            "response_mask": t(np.ascontiguousarray(response_mask[:, None])), "unpack": t(unpack)}
 
 
 def padded(arrays: list[np.ndarray], width: int) -> torch.Tensor:
