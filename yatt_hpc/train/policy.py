@@ -36,12 +36,12 @@ from yatt_hpc.batch import SampleBatch
 from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.hf_config import load_hf_config
 from yatt_hpc.offload import HostParking
-from yatt_hpc.train import convert, megatron_model, shared_prompt
+from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
 from yatt_hpc.train.adamw import AdamW
 from yatt_hpc.train.grpo import policy_loss
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
-from yatt_hpc.vision.processor import ImageProcessor, decode_rgb
+from yatt_hpc.vision.processor import ImageProcessor
 
 
 @dataclass
@@ -147,36 +147,18 @@ class MegatronPolicy:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _group_pixels(self, batch: SampleBatch) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    def _group_pixels(self, batch: SampleBatch) -> update_images.Pixels:
         """{prompt_id: (pixel values, grids)} of every group with images, decoded once per group here."""
-        if self.images is None:
-            return {}
-        return {pid: self.images.pixel_inputs([decode_rgb(b) for b in images])
-                for pid, images in batch.group_images().items()}
+        return {} if self.images is None else update_images.group_pixels(self.images, batch)
 
     def vision_inputs(self, mb: SampleBatch, inputs: torch.Tensor,
-                      pixels: dict[int, tuple[np.ndarray, np.ndarray]]) -> megatron_model.VisionInputs | None:
-        """The micro-batch's pixels, grids and M-RoPE positions (None for a text policy)."""
-        if self.images is None:
-            return None
-        rows = [pixels.get(int(pid), (np.zeros((0, 0), np.float32), np.zeros((0, 3), np.int64)))
-                for pid in mb.prompt_id]
-        lengths = mb.prompt_len.tolist()
-        for ids, (_, grids), n, origin in zip(inputs, rows, lengths, mb.sample_id):
-            self.images.check_tokens(ids[:n].tolist(), grids, f"sample {int(origin)}")
-        positions = np.stack([self.images.mrope_positions(ids.tolist(), grids, n)
-                              for ids, (_, grids), n in zip(inputs, rows, lengths)], axis=1)
-        in_prompt = torch.arange(inputs.shape[1])[None, :] < torch.tensor(lengths)[:, None]
-        with_images = [r for r in rows if len(r[1])]
-        to = self.device
-        return megatron_model.VisionInputs(
-            torch.from_numpy(np.concatenate([p for p, _ in with_images])).to(to) if with_images else None,
-            torch.from_numpy(np.concatenate([g for _, g in with_images])).to(to) if with_images else None,
-            torch.from_numpy(positions).to(to),
-            ((inputs == self.images.image_token_id) & in_prompt.to(inputs.device)).to(to))
+                      pixels: update_images.Pixels) -> megatron_model.VisionInputs | None:
+        """The padded micro-batch's pixels, grids and M-RoPE positions (None for a text policy)."""
+        return None if self.images is None else \
+            update_images.padded_inputs(self.images, mb, inputs, pixels, self.device)
 
     def _micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float,
-                    pixels: dict[int, tuple[np.ndarray, np.ndarray]]) -> UpdateStats:
+                    pixels: update_images.Pixels) -> UpdateStats:
         if self.share_prompts:
             return self._shared_micro_step(mb, adv, global_tokens, pixels)
         tokens, mask, old_logp = (t.to(self.device) for t in pack_micro_batch(mb))
@@ -194,11 +176,12 @@ class MegatronPolicy:
         return self._loss_backward(logp, entropy, ref_logp, old_logp, mask, adv, global_tokens)
 
     def _shared_micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float,
-                           pixels: dict[int, tuple[np.ndarray, np.ndarray]]) -> UpdateStats:
+                           pixels: update_images.Pixels) -> UpdateStats:
         """`_micro_step` on the shared-prompt stream: [N, R] response-aligned logprobs instead of [N, L-1]."""
         layout = shared_prompt.build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"), mb.prompt_id)
         old_logp = shared_prompt.padded(mb.ragged("logprobs"), layout.targets.shape[1])
-        vision = self._shared_vision(mb, layout, pixels)
+        vision = None if self.images is None else \
+            update_images.shared_inputs(self.images, mb, layout, pixels, self.device)
         layout, old_logp = layout.to(self.device), old_logp.to(self.device)
         logp, entropy = self._shared_logprobs(self.model, layout, vision)
         ref_logp = None
@@ -215,35 +198,6 @@ class MegatronPolicy:
             decoder_input = megatron_model.vision_decoder_input(model, layout.tokens[None], vision)
         logits = shared_prompt.forward_shared(model, layout, positions, decoder_input)[layout.source]
         return token_logprobs_and_entropy(logits, layout.targets, self.tp_group, self.vocab_size, self.temperature)
-
-    def _shared_vision(self, mb: SampleBatch, layout: shared_prompt.SharedLayout,
-                       pixels: dict[int, tuple[np.ndarray, np.ndarray]]) -> megatron_model.VisionInputs | None:
-        """A vision-language policy's inputs for the stream: each distinct prompt's images once, in stream
-        order, and every stream token's M-RoPE position (a response token continues its prompt's text
-        positions as in the padded row); None for a text policy."""
-        if self.images is None:
-            return None
-        prompts, empty = mb.ragged("prompt_tokens"), (np.zeros((0, 0), np.float32), np.zeros((0, 3), np.int64))
-        rows, prompt_positions, shift = [], [], []
-        for i in layout.group_first.tolist():
-            prompt, (values, grids) = prompts[i], pixels.get(int(mb.prompt_id[i]), empty)
-            self.images.check_tokens(prompt.tolist(), grids, f"sample {int(mb.sample_id[i])}")
-            # positions of the prompt and of one text token after it (where every response starts)
-            both = self.images.mrope_positions(np.append(prompt, 0).tolist(), grids, len(prompt))
-            rows.append((values, grids))
-            prompt_positions.append(both[:, :-1])
-            shift.append(int(both[0, -1]) - len(prompt))  # response token j: its P + j, shifted
-        in_prompt, text = layout.in_prompt.numpy(), layout.positions.numpy()
-        positions = np.empty((3, len(text)), np.int64)
-        positions[:, in_prompt] = np.concatenate(prompt_positions, axis=1)
-        positions[:, ~in_prompt] = text[~in_prompt] + np.array(shift)[layout.token_group.numpy()[~in_prompt]]
-        with_images = [r for r in rows if len(r[1])]
-        to = self.device
-        return megatron_model.VisionInputs(
-            torch.from_numpy(np.concatenate([p for p, _ in with_images])).to(to) if with_images else None,
-            torch.from_numpy(np.concatenate([g for _, g in with_images])).to(to) if with_images else None,
-            torch.from_numpy(positions)[:, None, :].to(to),
-            ((layout.tokens == self.images.image_token_id) & layout.in_prompt)[None].to(to))
 
     def _loss_backward(self, logp, entropy, ref_logp, old_logp, mask, adv: np.ndarray,
                        global_tokens: float) -> UpdateStats:

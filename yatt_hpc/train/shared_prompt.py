@@ -18,7 +18,7 @@ themselves, responses over their prompt and causally over their own tokens. Gath
 the backward sums each shared prompt's gradient over its samples, exactly what the padded layout computes.
 Positions are explicit (a response token sits at P + j): GPT-2's learned position embeddings take them as
 ids, a RoPE model's rotary angles are looked up by them (`_rotary_at`), and a vision-language model's M-RoPE
-positions are given per stream token (`MegatronPolicy._shared_vision`); its images go through the tower once
+positions are given per stream token (`update_images.shared_inputs`); its images go through the tower once
 per distinct prompt too.
 
 Equality with the padded layout (logprobs, entropies and every gradient, including groups of one, empty

@@ -1,0 +1,91 @@
+"""How new weights reach the `hf` engine (a mixin of `HFEngine`): whole buckets by name, or a bucket
+broadcast over the pair's own process group (`weight_group.py`), checked against the model first.
+
+The engine provides `_model`, `_device`, `_state_shapes` (name -> shape), `_tied` (name -> the first name
+sharing its storage), `_vision` (None for a text model), `_groups` (joined pair groups by name),
+`_version`, `_mid_update` and `_check_alive()`.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from yatt_hpc.rollout.engine import validate_bucket
+from yatt_hpc.weight_group import BucketManifest, PairGroup, Rendezvous
+
+
+class HFWeightUpdates:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, final: bool, version: int | None = None
+    ) -> None:
+        """Validate the whole bucket, then ``load_state_dict(strict=False)`` it (copies, casting dtype).
+
+        Tied weights (e.g. GPT-2's ``lm_head.weight`` = ``transformer.wte.weight``) share storage, so
+        either name updates both; sending both with different values is an error, not a silent pick.
+        """
+        self._check_alive()
+        bucket = [(self._memory_name(name), tensor) for name, tensor in named_tensors]
+        self._check_bucket(bucket)
+        self._mid_update = True
+        self._model.load_state_dict(dict(bucket), strict=False)
+        if final:
+            self._version = self._version + 1 if version is None else int(version)
+            self._mid_update = False
+
+    def join_weight_group(self, rendezvous: Rendezvous) -> None:
+        """Join the pair's group as its one engine rank (Gloo on CPU, NCCL on this engine's GPU)."""
+        self._check_alive()
+        if rendezvous.world_size != rendezvous.rank_offset + 1:
+            raise ValueError(f"engine 'hf' is one rank, but the weight group {rendezvous.group_name} expects "
+                             f"{rendezvous.world_size - rendezvous.rank_offset}")
+        self._groups[rendezvous.group_name] = PairGroup.connect(rendezvous, rendezvous.rank_offset)
+
+    def update_weights_from_group(self, manifest: BucketManifest, *, version: int | None = None) -> None:
+        """Check the manifest, receive the bucket into fresh tensors on this engine's device, load it."""
+        self._check_alive()
+        if manifest.group_name not in self._groups:
+            raise RuntimeError(f"update_weights_from_group: no weight group {manifest.group_name!r} joined; "
+                               "join_weight_group comes first")
+        validate_bucket([(self._memory_name(n), t) for n, t in manifest.placeholders()], self._state_shapes)
+        tensors = manifest.empty(self._device)
+        self._groups[manifest.group_name].broadcast(tensors)
+        self.update_weights(zip(manifest.names, tensors), final=manifest.final, version=version)
+
+    def _memory_name(self, name: str) -> str:
+        """A checkpoint name (what trainers send and SGLang loads) as this model's state-dict name:
+        transformers 5 holds Qwen2-VL as `model.language_model.*` / `model.visual.*` and saves it as
+        `model.*` / `visual.*`."""
+        if self._vision is None or name in self._state_shapes:
+            return name
+        if name.startswith("visual."):
+            return f"model.{name}"
+        if name.startswith("model."):
+            return f"model.language_model.{name[len('model.'):]}"
+        return name
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def _check_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        validate_bucket(bucket, self._state_shapes)
+        seen: dict[str, tuple[str, torch.Tensor]] = {}
+        for name, tensor in bucket:
+            group = self._tied.get(name, name)
+            if group in seen and not torch.equal(seen[group][1].cpu(), tensor.cpu()):
+                raise ValueError(
+                    f"update_weights: {name!r} and {seen[group][0]!r} are tied (one tensor) in this model "
+                    "but the bucket sends different values; the trainer must tie them too"
+                )
+            seen[group] = (name, tensor)
+
+    @staticmethod
+    def _tied_name_groups(model: torch.nn.Module) -> dict[str, str]:
+        """Map each state-dict name to the first name sharing its storage (tied parameters)."""
+        first_by_storage: dict[tuple[int, tuple[int, ...]], str] = {}
+        groups = {}
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            key = (tensor.data_ptr(), tuple(tensor.shape))
+            groups[name] = first_by_storage.setdefault(key, name)
+        return groups
