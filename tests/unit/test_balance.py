@@ -10,6 +10,7 @@ from yatt_hpc.sched.balance import (
     balance_coeff,
     balanced_partition,
     contiguous_split,
+    group_workload,
     imbalance,
     karmarkar_karp,
     refine,
@@ -68,6 +69,17 @@ def test_kk_edge_cases():
 def test_workload_proxy():
     np.testing.assert_allclose(workload(np.array([2.0, 3.0]), a=10), [24.0, 39.0])
     np.testing.assert_allclose(workload(np.array([2.0, 3.0]), a=None), [2.0, 3.0])
+
+
+def test_group_workload_counts_a_shared_prompt_once():
+    """Two groups (prompt 3 with responses 2 and 4; prompt 5 with response 1), a = 10, by hand."""
+    p, r, g = np.array([3, 3, 5]), np.array([2, 4, 1]), np.array([7, 7, 4])
+    groups, padded = group_workload(p, r, g, a=10, shared_prompts=False)
+    assert groups.tolist() == [4, 7] and padded.tolist() == [96.0, 194.0]     # 60+36 | (50+25)+(70+49)
+    _, shared = group_workload(p, r, g, a=10, shared_prompts=True)
+    assert shared.tolist() == [91.0, 137.0]                                  # 50+25+10+6 | 30+9+(20+10)+(40+28)
+    assert group_workload(p, r, g, a=None, shared_prompts=True)[1].tolist() == [6.0, 9.0]
+    assert group_workload(p, r, g, a=None, shared_prompts=False)[1].tolist() == [6.0, 12.0]
 
 
 def test_balance_and_balance_flops_coeff_choose_the_workload_groups_are_split_by():

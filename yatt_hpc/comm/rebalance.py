@@ -16,7 +16,7 @@ import numpy as np
 
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.comm.transport import recv_batch, send_batch
-from yatt_hpc.sched.balance import balanced_partition, imbalance, workload
+from yatt_hpc.sched.balance import balanced_partition, group_workload, imbalance
 
 TAG_BALANCE = 15
 MIN_GAIN = 0.01
@@ -33,10 +33,12 @@ class BalanceInfo:
 
 
 class Rebalancer:
-    def __init__(self, owners_comm, world_comm, owner_world_ranks: list[int], a: float | None):
+    def __init__(self, owners_comm, world_comm, owner_world_ranks: list[int], a: float | None,
+                 shared_prompts: bool = False):
         self.comm, self.world = owners_comm, world_comm
         self.owner_world_ranks = owner_world_ranks  # index = dp rank
         self.a = a
+        self.shared_prompts = shared_prompts  # the trainer computes each group's prompt once (group_workload)
 
     def rebalance(self, batch: SampleBatch) -> tuple[SampleBatch, BalanceInfo]:
         me = self.comm.Get_rank()
@@ -70,9 +72,7 @@ class Rebalancer:
         return SampleBatch.concat(parts).sorted_by_id(), info
 
     def _group_work(self, batch: SampleBatch) -> tuple[np.ndarray, np.ndarray]:
-        per_sample = workload(batch.prompt_len + batch.response_len, self.a)
-        groups = np.unique(batch.prompt_id)
-        return groups, np.array([per_sample[batch.prompt_id == g].sum() for g in groups])
+        return group_workload(batch.prompt_len, batch.response_len, batch.prompt_id, self.a, self.shared_prompts)
 
     @staticmethod
     def _parts(dest_of: list[int], k: int) -> list[list[int]]:

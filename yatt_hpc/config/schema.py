@@ -144,7 +144,8 @@ class TrainConfig(Section):
     balance: Literal["flops", "tokens", "none"] = "flops"
     """Data-parallel load balancing before the update: Karmarkar-Karp, then whole-group exchanges that
     lower the heaviest rank (`sched/balance.py::balanced_partition`), over a FLOPs proxy (a*L + L^2),
-    over plain token counts, or none. Whole GRPO groups move; a group is never split."""
+    over plain token counts, or none; with `share_prompts` a group's prompt counts once, as it is computed
+    (`group_workload`). Whole GRPO groups move; a group is never split."""
     balance_flops_coeff: float | None = Field(None, gt=0)
     """`a` in the FLOPs proxy a*L + L^2; null derives 6*hidden_size from the model."""
     share_prompts: bool = True

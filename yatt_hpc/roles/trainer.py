@@ -271,7 +271,7 @@ class TrainerController(BaseController):
             return None
         hidden = self.policy.hf_config.get_text_config().hidden_size
         return Rebalancer(self.owners_comm, self.world.comm, [self.routes.trainer_owner(d) for d in range(self.routes.dp)],
-                          balance_coeff(self.cfg.train, hidden))
+                          balance_coeff(self.cfg.train, hidden), shared_prompts=self.cfg.train.share_prompts)
 
     def balance(self, batch: SampleBatch) -> SampleBatch:
         if self.balancer is None:

@@ -1,6 +1,7 @@
 """Data-parallel load balancing: Karmarkar-Karp (largest differencing) over a FLOPs proxy.
 
     work = workload(lengths, a=flops_coeff(hidden, layers))   # a*L + L^2 per sample (or plain L)
+    groups, work = group_workload(prompt_len, response_len, prompt_id, a, shared_prompts=True)  # per group
     a = balance_coeff(cfg.train, hidden)                      # the `a` train.balance* choose
     parts = balanced_partition(work_per_group, k=dp)         # KK, then moves/swaps: k lists of unit indices
 
@@ -40,6 +41,28 @@ def workload(lengths: np.ndarray, a: float | None) -> np.ndarray:
     """Per-sample cost: a*L + L^2, or L itself when `a` is None (plain token count)."""
     lengths = np.asarray(lengths, dtype=np.float64)
     return lengths if a is None else a * lengths + lengths**2
+
+
+def group_workload(prompt_len: np.ndarray, response_len: np.ndarray, group_ids: np.ndarray, a: float | None,
+                   shared_prompts: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(groups, each group's cost) over its samples, as the trainer computes them.
+
+    Padded rows (`shared_prompts` False): the sum of `workload(P + R)` over the group's samples. With the
+    shared-prompt forward (`train/shared_prompt.py`) a group's prompt is computed once: a*P + P^2 for it
+    (its tokens; its causal attention) plus a*R + R*(P + R) per sample (its response tokens, each attending
+    to the prompt and to the response so far); plain tokens (`a` None) count P + sum(R). Both on
+    `workload`'s scale: a per token, one per query-key pair the attention computes.
+    """
+    groups, first, inverse = np.unique(np.asarray(group_ids), return_index=True, return_inverse=True)
+    prompt = np.asarray(prompt_len, dtype=np.float64)
+    response = np.asarray(response_len, dtype=np.float64)
+    if not shared_prompts:
+        return groups, np.bincount(inverse, weights=workload(prompt + response, a), minlength=len(groups))
+    p = prompt[first]
+    if a is None:
+        return groups, p + np.bincount(inverse, weights=response, minlength=len(groups))
+    per_sample = a * response + response * (prompt + response)
+    return groups, a * p + p**2 + np.bincount(inverse, weights=per_sample, minlength=len(groups))
 
 
 def karmarkar_karp(weights: Sequence[float], k: int) -> list[list[int]]:
