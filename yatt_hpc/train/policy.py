@@ -73,8 +73,6 @@ class MegatronPolicy:
                  images: ImageProcessor | None = None, share_prompts: bool = False):
         self.model = model
         self.share_prompts = share_prompts  # the shared-prompt forward (train/shared_prompt.py)
-        self.layout_note = "each prompt once per micro-batch" if share_prompts else \
-            "padded rows (train.share_prompts=false)"
         self.hf_config = hf_config
         self.cfg = cfg
         self.reference = reference
@@ -142,6 +140,11 @@ class MegatronPolicy:
         for key in ("loss", "kl", "entropy", "clip_frac", "tokens"):
             setattr(totals, key, getattr(totals, key) / passes)
         return totals
+
+    @property
+    def layout_note(self) -> str:
+        """How the update lays out its micro-batches (the trainer's start-up log says it)."""
+        return "each prompt once per micro-batch" if self.share_prompts else "padded rows (train.share_prompts=false)"
 
     @property
     def device(self) -> torch.device:

@@ -117,9 +117,7 @@ def _predictions(responses: list[np.ndarray], lengths: np.ndarray, response_star
     source, valid = _rows(response_start - 1, lengths, int(lengths.max(initial=0)))
     if source.shape[1]:  # (a micro-batch whose responses are all empty predicts nothing)
         source[:, 0] = np.where(lengths > 0, last_prompt_token, 0)
-    flat = np.concatenate([np.asarray(r, np.int64) for r in responses] + [np.zeros(1, np.int64)])
-    index, _ = _rows(np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths, source.shape[1])
-    return source, np.where(valid, flat[index], 0), valid
+    return source, _left_aligned(responses, source.shape[1], np.int64), valid
 
 
 def _attention_rows(prompt_rows: np.ndarray, prompt_valid: np.ndarray, group_of: np.ndarray,
@@ -147,10 +145,15 @@ def _attention_rows(prompt_rows: np.ndarray, prompt_valid: np.ndarray, group_of:
 
 def padded(arrays: list[np.ndarray], width: int) -> torch.Tensor:
     """[len(arrays), width] float32 rows, each array left-aligned and zero-padded (the rollout's logprobs)."""
+    return torch.from_numpy(_left_aligned(arrays, width, np.float32))
+
+
+def _left_aligned(arrays: list[np.ndarray], width: int, dtype) -> np.ndarray:
+    """[len(arrays), width] of `dtype`: row i holds arrays[i] from column 0, zeros after it."""
     lengths = np.array([len(a) for a in arrays], np.int64)
-    flat = np.concatenate([np.asarray(a, np.float32) for a in arrays] + [np.zeros(1, np.float32)])
+    flat = np.concatenate([np.asarray(a, dtype) for a in arrays] + [np.zeros(1, dtype)])
     index, valid = _rows(np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths, width)
-    return torch.from_numpy(np.where(valid, flat[index], 0.0).astype(np.float32))
+    return np.where(valid, flat[index], 0).astype(dtype)
 
 
 def _key(prompt: np.ndarray) -> bytes:
