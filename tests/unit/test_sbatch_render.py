@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from yatt_hpc.config import load_config
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.launch.commands import rank_hosts, srun_launch
+from yatt_hpc.launch.failures import first_failure
 from yatt_hpc.launch.jobs import group_label
-from yatt_hpc.launch.launcher import first_failure
 from yatt_hpc.launch.sbatch import LAUNCHER_MODULE, SbatchError, directive_lines, render_sbatch, time_minutes
 from yatt_hpc.placement import plan
 

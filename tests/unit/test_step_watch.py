@@ -9,8 +9,9 @@ import pytest
 
 from tests.conftest import REPO
 from yatt_hpc.config import load_config
-from yatt_hpc.launch.launcher import StepWatch, ranks_exit_code, record_failure
+from yatt_hpc.launch.failures import record_failure
 from yatt_hpc.launch.rank_group import EXIT_DIR_ENV, write_exit_record
+from yatt_hpc.launch.step_watch import StepWatch, ranks_exit_code
 from yatt_hpc.placement import plan
 
 
@@ -72,7 +73,7 @@ def test_the_step_code_and_failure_come_from_the_lowest_failing_rank(tmp_path):
 
 
 class _Clock:
-    """Stands for the launcher's `time.monotonic`: time passes only while srun is polled."""
+    """Stands for the step watch's `time.monotonic`: time passes only while srun is polled."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -104,15 +105,15 @@ def test_step_exit_timeout_s_is_how_long_the_launcher_waits_for_srun_after_the_l
     returns that long (on a fake clock: no real waiting) after the last rank's exit record appeared."""
     import types
 
-    from yatt_hpc.launch import launcher
+    from yatt_hpc.launch import step_watch
 
     cfg = load_config(REPO / "configs/demo_cpu.yaml", [f"slurm.step_exit_timeout_s={timeout_s}"])
     p = plan(cfg)
     _records(tmp_path, {rank: 0 for rank in range(p.world_size)})  # every rank has exited
     clock = _Clock()
-    monkeypatch.setattr(launcher, "time", types.SimpleNamespace(monotonic=clock))
+    monkeypatch.setattr(step_watch, "time", types.SimpleNamespace(monotonic=clock))
     srun = _SrunThatNeverReturns(clock)
-    watch = launcher.step_watch_for(cfg, p, tmp_path)
+    watch = step_watch.step_watch_for(cfg, p, tmp_path)
     assert watch.wait(srun) == 0 and watch.ended_srun
     # the records are seen at the first poll; srun is ended at the first poll timeout_s after that
     assert timeout_s <= srun.killed_at - watch.poll_s < timeout_s + watch.poll_s, srun.killed_at
@@ -138,11 +139,11 @@ def test_a_srun_that_outlives_a_step_slurm_cancelled_is_ended_with_a_failing_cod
     records ever comes, and srun can still hang (SchedMD 16817). Slurm's own step list ends the wait."""
     import types
 
-    from yatt_hpc.launch import launcher
+    from yatt_hpc.launch import step_watch
 
     _records(tmp_path, codes)
     clock = _Clock()
-    monkeypatch.setattr(launcher, "time", types.SimpleNamespace(monotonic=clock))
+    monkeypatch.setattr(step_watch, "time", types.SimpleNamespace(monotonic=clock))
     srun = _SrunThatNeverReturns(clock)
     watch = StepWatch(tmp_path, world_size=4, timeout_s=20.0, poll_s=0.5, steps=_Steps(alive_polls=10))
     assert watch.wait(srun) == expect and watch.ended_srun
@@ -150,7 +151,7 @@ def test_a_srun_that_outlives_a_step_slurm_cancelled_is_ended_with_a_failing_cod
 
 
 def test_slurm_steps_reads_squeue_and_knows_nothing_before_the_step_appears(tmp_path, monkeypatch):
-    from yatt_hpc.launch.launcher import SlurmSteps
+    from yatt_hpc.launch.step_watch import SlurmSteps
 
     listing = tmp_path / "steps"
     fake = tmp_path / "bin" / "squeue"

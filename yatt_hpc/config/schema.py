@@ -6,7 +6,9 @@
 Every field carries a docstring; `yatt-hpc config docs` and the README's config reference are
 generated from them. Cross-field rules of a section live in that section's single validator;
 rules that span sections live in `RunConfig`. Derived values (ranks, layouts) are not stored
-here: they belong to the placement plan (`yatt_hpc.placement`).
+here: they belong to the placement plan (`yatt_hpc.placement`). The larger sections have modules
+of their own (`config/reward.py`, `config/placement.py`, `config/cluster.py` for `slurm:` and
+`health:`); `RunConfig` gathers every section here.
 """
 from __future__ import annotations
 
@@ -15,11 +17,10 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from yatt_hpc.config.cluster import HealthConfig, SlurmConfig
+from yatt_hpc.config.placement import PlacementConfig
 from yatt_hpc.config.reward import RewardConfig, RewardTerm  # noqa: F401  (the reward section; re-exported)
 from yatt_hpc.config.section import Section
-
-# A Slurm time limit: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S (the renderers in launch/ read it with this).
-SLURM_TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<a>\d+)(?::(?P<b>\d+))?(?::(?P<c>\d+))?$")
 
 
 class ModelConfig(Section):
@@ -251,78 +252,6 @@ class RolloutConfig(Section):
         return value
 
 
-class GroupPlacement(Section):
-    """Shape of one group (trainer, rollout or genrm) on the cluster."""
-
-    nodes: int = Field(1, ge=1)
-    """Nodes the group spans. In colocate/partial modes every group must use the same nodes."""
-    tasks_per_node: int = Field(1, ge=1)
-    """MPI ranks of this group per node. Trainer: one per device; rollout/GenRM: one per engine replica."""
-    devices_per_task: int = Field(0, ge=0)
-    """GPUs per rank; 0 runs on CPU. Trainer ranks use 1; an engine replica uses tp*pp."""
-    cpus_per_task: int = Field(1, ge=1)
-    """CPU cores Slurm reserves for each rank."""
-    tp: int = Field(1, ge=1)
-    """Tensor-parallel size."""
-    pp: int = Field(1, ge=1)
-    """Pipeline-parallel size."""
-    cp: int = Field(1, ge=1)
-    """Context-parallel size (trainer only; must stay 1 for rollout and GenRM)."""
-    dp: int | None = Field(None, ge=1)
-    """Data-parallel size; null derives it from the rank count. If set it must match the rank count."""
-    mem: str | None = None
-    """Memory per node for Slurm (e.g. `64G`); null leaves Slurm's default."""
-
-
-class TrainerPlacement(GroupPlacement):
-    """Trainer group: Megatron ranks laid out tp-cp-dp-pp."""
-
-
-class EnginePlacement(GroupPlacement):
-    """Rollout or GenRM group: engine replicas laid out tp-pp-dp (one controller rank per replica)."""
-
-
-class DynamicSplitConfig(Section):
-    """`partial` placement: rollout and GenRM ranks form one pool of engine replicas, re-split every step."""
-
-    enabled: bool = False
-    """Each pool rank holds a policy engine and a judge and serves the role the step's split gives it
-    (the other stays released). The leader picks the split from the busy seconds each role measured;
-    the configured rollout/GenRM task counts are the first step's split, and both groups need the same
-    replica shape. The split depends on timing, and engine batch composition with it (logprobs agree
-    to ~1e-6), so a resumed run is not bitwise identical to an uninterrupted one; the split itself is
-    checkpointed and restored exactly."""
-    min_replicas: int = Field(1, ge=1)
-    """Engine replicas each role keeps at least."""
-    hysteresis: float = Field(0.1, ge=0.0, lt=1.0)
-    """A new split is taken only if it predicts the busiest replica at least this fraction less busy."""
-
-
-class PlacementConfig(Section):
-    """Where the three groups run."""
-
-    mode: Literal["colocate", "partial", "disjoint"] = "colocate"
-    """`colocate`: rollout, GenRM and train take the same devices in turn. `partial`: rollout and GenRM
-    share the devices and stream to each other, training takes them otherwise. `disjoint`: each group on
-    its own nodes (a heterogeneous Slurm job)."""
-    trainer: TrainerPlacement = TrainerPlacement(dp=2, tasks_per_node=2)
-    """Trainer group shape."""
-    rollout: EnginePlacement = EnginePlacement()
-    """Rollout group shape."""
-    genrm: EnginePlacement = EnginePlacement()
-    """GenRM group shape."""
-    dynamic_split: DynamicSplitConfig = DynamicSplitConfig()
-    """Dynamic rollout/GenRM split of the engine pool (`partial` only; off by default)."""
-    node_cpus: int | None = Field(None, ge=1)
-    """`colocate` only: the CPU cores of a node that its ranks take in turn. While a group's phase holds
-    the devices its ranks on the node run node_cpus / tasks_per_node torch threads each (at least their
-    cpus_per_task), and go back to cpus_per_task when the phase ends: on CPU the cores are the devices.
-    null: the most any one group asks for on the node (tasks_per_node x cpus_per_task), which the phases
-    use in turn; the demo's 2 trainer ranks make it 2, so generation and judging take both cores. A
-    config value, never read from the machine, because the thread count changes the order of float sums:
-    the same config gives the same numbers under mpirun and under Slurm."""
-
-
 class CheckpointConfig(Section):
     """Checkpoints (safetensors for tensors, HDF5 for the rest, atomic commit)."""
 
@@ -342,71 +271,6 @@ class CheckpointConfig(Section):
     commits the last completed step and the run exits (and requeues). Keep it below the warning time of
     `slurm.signal` (and a preempting partition's GraceTime) minus the time a checkpoint takes to write;
     null always waits for the step boundary. Needs MPI THREAD_MULTIPLE."""
-
-
-class SlurmConfig(Section):
-    """How `yatt-hpc submit` and the `sbatch/` scripts ask Slurm for the job."""
-
-    job_name: str = "yatt-hpc"
-    """Slurm job name."""
-    partition: str | None = None
-    """Partition; null uses the cluster default."""
-    time: str = "01:00:00"
-    """Wall-time limit (Slurm format, e.g. `4:00:00` or `1-00:00:00`)."""
-    account: str | None = None
-    """Account to charge; null uses the user's default."""
-    qos: str | None = None
-    """Quality of service; null uses the default."""
-    signal: str = "USR2@90"
-    """Signal Slurm sends before the time limit or on preemption (`SIG@seconds`): the save-and-requeue trigger."""
-    max_requeues: int = Field(3, ge=0)
-    """Automatic requeues allowed after preemption or timeout."""
-    step_exit_timeout_s: float = Field(20.0, gt=0, le=3600)
-    """Longest the batch launcher waits for `srun` to return once every rank of the step has recorded its exit;
-    past it srun is ended and the job finishes with the ranks' own exit codes (Slurm before 24.11 can leave a
-    heterogeneous `--mpi=pmix` step's srun waiting forever: SchedMD ticket 16817)."""
-    extra_flags: dict[Literal["trainer", "rollout", "genrm"], list[str]] = Field(default_factory=dict)
-    """Extra `#SBATCH` flags per group, e.g. `{trainer: ["--constraint=h200"]}`."""
-    env: dict[str, str] = Field(default_factory=dict)
-    """Environment variables the job script exports before the launch, e.g. `{OMPI_MCA_btl: "self,tcp"}`
-    (needed on the one-host dev cluster, whose virtual nodes cannot use Open MPI's shared-memory transport)."""
-
-    @field_validator("time")
-    @classmethod
-    def _slurm_time(cls, value: str) -> str:
-        if not SLURM_TIME.match(value):
-            raise ValueError(f"slurm.time={value!r} is not a Slurm time limit; use minutes (90), H:M:S (4:00:00) "
-                             "or D-H:M:S (1-00:00:00)")
-        return value
-
-    @field_validator("env", mode="before")
-    @classmethod
-    def _env_values_as_text(cls, value: object) -> object:
-        # `--set slurm.env.OMP_NUM_THREADS=4` parses 4 as YAML int; an environment value is text
-        if isinstance(value, dict):
-            return {k: (str(v).lower() if isinstance(v, bool) else str(v)) if isinstance(v, (int, float)) else v
-                    for k, v in value.items()}
-        return value
-
-
-class HealthConfig(Section):
-    """Noticing a rank that stops answering (yatt_hpc/runtime/health.py)."""
-
-    heartbeat_s: float = Field(5.0, gt=0, le=600)
-    """Seconds between the heartbeats every rank's monitor thread sends (its own communicator, not the data plane)."""
-    stall_timeout_s: float | None = Field(120.0, gt=0)
-    """A rank silent this long (stopped, frozen), or a world where no rank made progress this long (a hung call,
-    a deadlock), ends the job naming the group and rank (exit 3; requeue/resubmit resume from the last checkpoint).
-    Keep it above the longest single engine call (an SGLang generate is one call); null turns detection off.
-    Needs MPI THREAD_MULTIPLE."""
-
-    @model_validator(mode="after")
-    def _beats_fit_the_timeout(self) -> HealthConfig:
-        if self.stall_timeout_s is not None and self.heartbeat_s * 3 > self.stall_timeout_s:
-            raise ValueError(f"health.heartbeat_s={self.heartbeat_s:g} must be at most a third of "
-                             f"health.stall_timeout_s={self.stall_timeout_s:g} (a late beat or two must not look like "
-                             "a stall); lower heartbeat_s or raise stall_timeout_s")
-        return self
 
 
 class LoggingConfig(Section):

@@ -1,4 +1,4 @@
-"""The base every config section derives from (`yatt_hpc.config.schema` and `.reward`)."""
+"""The base every config section derives from (`yatt_hpc.config.schema`, `.reward`, `.placement`, `.cluster`)."""
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict

@@ -103,7 +103,7 @@ def launch_run(cfg: RunConfig, plan: Plan, run_dir: Path) -> int:
     if code and gave_up_step(record):
         return 0
     if code:
-        from yatt_hpc.launch.launcher import first_failure
+        from yatt_hpc.launch.failures import first_failure
 
         failure = first_failure(lines, plan)
         print(f"yatt-hpc: the run failed (mpirun exit {code})" + (f"; first failure: {failure}" if failure else "")

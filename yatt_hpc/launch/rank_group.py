@@ -10,7 +10,7 @@ the rank range that holds the task's world rank (heterogeneous steps use it too:
 With `YATT_EXIT_DIR` set (the launcher sets it) the shim runs the program as its child and, once
 the child has exited, writes `YATT_EXIT_DIR/rank-NNNN.json` (world rank, group, exit code or
 signal, node, pid): the last thing the task does. The launcher reads these records so that it
-need not trust srun to return (`launcher.StepWatch`). The shim forwards nothing: Slurm signals
+need not trust srun to return (`step_watch.StepWatch`). The shim forwards nothing: Slurm signals
 every process of the step (the child gets SIGUSR2/SIGTERM itself); the shim only outlives the
 child, then leaves with the child's status (re-raising its signal, so srun reports it as before).
 Standard library only: it runs once per rank at start.

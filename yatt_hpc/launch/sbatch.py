@@ -20,7 +20,8 @@ import re
 import shlex
 from collections.abc import Iterable, Sequence
 
-from yatt_hpc.config.schema import SLURM_TIME, RunConfig
+from yatt_hpc.config.cluster import SLURM_TIME
+from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.placement import GroupPlan, Plan
 
 LAUNCHER_MODULE = "yatt_hpc.launch.launcher"

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from yatt_hpc.config.schema import GroupPlacement, RunConfig
+from yatt_hpc.config.placement import GroupPlacement
+from yatt_hpc.config.schema import RunConfig
 
 GROUPS = ("trainer", "rollout", "genrm")
 
