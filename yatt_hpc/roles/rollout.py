@@ -40,7 +40,7 @@ from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.rollout import GenerationRequest, GenerationResult, build_engine
 from yatt_hpc.runtime.rank_stats import RankStats
-from yatt_hpc.sched.finished import FinishedResults
+from yatt_hpc.sched.finished import SAMPLE_HOLD_S, FinishedResults
 from yatt_hpc.sched.overdispatch import RolloutWork
 from yatt_hpc.sched.routing import Routes
 
@@ -140,7 +140,9 @@ class RolloutController(BaseController):
         """`rollout.streaming=finished_groups`: one engine call for the chunk; a helper thread sends
         each prompt group to its GenRM rank as soon as the engine reports its last sample finished
         (and, with over-dispatch, takes the STOPs, aborting the engine once every owner is stopped).
-        `finished_samples`: finished samples, a group's worth at a time (`sched/finished.py`). While
+        `finished_samples`: finished samples, a group's worth at a time (`sched/finished.py`). The
+        engine's thread decides what is due (`on_result`) and wakes the helper only then: the helper
+        shares the engine's interpreter, and each wake-up takes the GIL from the decode loop. While
         the engine runs only the helper talks MPI. Returns the samples sent."""
         row_of = {int(sid): i for i, sid in enumerate(chunk.sample_id)}
         stream = FinishedResults(lambda sid: int(chunk.prompt_id[row_of[sid]]), self.cfg.rollout.samples_per_prompt,
@@ -160,16 +162,28 @@ class RolloutController(BaseController):
                     work.mark_sent(owner, len(part))
                     sent[0] += len(part)
 
+        lock = threading.Lock()  # the stream is fed on the engine's thread and flushed on the helper's
+
+        def on_result(result: GenerationResult) -> None:
+            """On the engine's thread: the helper is woken only when something is due to go out."""
+            with lock:
+                due = stream.take([result], time.monotonic(), False)
+            for results in due:
+                finished.put(results)
+
         def pump() -> None:
             ended = False
+            wait_s = 0.005 if self.handshake else SAMPLE_HOLD_S / 2  # STOPs arrive meanwhile
             try:
                 while True:
-                    try:  # wake now and then without a finished sample: STOPs arrive meanwhile
-                        result = finished.get(timeout=0.005)
+                    try:
+                        item = finished.get(timeout=wait_s)
                     except queue.Empty:
-                        result = False
-                    more, ended = _drain(finished) if result is not None else ([], True)
-                    for results in stream.take([r for r in (result, *more) if r], time.monotonic(), ended):
+                        item = False
+                    more, ended = _drain(finished) if item is not None else ([], True)
+                    with lock:  # held samples past their bound, and all that is left once the call ended
+                        due = [b for b in (item, *more) if b] + stream.take([], time.monotonic(), ended)
+                    for results in due:
                         send(results)
                     if ended:  # the engine call returned and every result was taken
                         return
@@ -184,7 +198,7 @@ class RolloutController(BaseController):
         helper = threading.Thread(target=pump, name="group-streamer", daemon=True)
         helper.start()
         try:
-            self.engine.generate(self.requests(chunk), on_result=finished.put)
+            self.engine.generate(self.requests(chunk), on_result=on_result)
         finally:
             finished.put(None)
             helper.join()
@@ -258,8 +272,8 @@ class RolloutController(BaseController):
         self.receive_weights()  # the trainer sends its restored weights
 
 
-def _drain(finished: queue.SimpleQueue) -> tuple[list[GenerationResult], bool]:
-    """Every result already queued, and whether the end mark (None) was among them."""
+def _drain(finished: queue.SimpleQueue) -> tuple[list[list[GenerationResult]], bool]:
+    """Every batch of results already queued, and whether the end mark (None) was among them."""
     got = []
     while True:
         try:

@@ -8,7 +8,10 @@
 `finished_samples`: finished samples go out a group's worth (n) at a time, or once the first of
 them has waited `SAMPLE_HOLD_S`, and whatever is left when the engine call ends. A message per
 sample cost the engine's decode loop ~50 ms of a 0.5 s B4 rollout (the sender shares the engine's
-process); the bound keeps the long tail's stragglers from waiting for company.
+process); the bound keeps the long tail's stragglers from waiting for company. The rollout rank
+feeds `take` on the engine's thread as each result comes and wakes its sender only for what is
+due, and the sender flushes held samples when it wakes (at least every SAMPLE_HOLD_S / 2), so a
+held sample waits at most ~1.5 x SAMPLE_HOLD_S.
 """
 from __future__ import annotations
 
