@@ -16,7 +16,9 @@ about a sample exists outside these columns.
 
 The wire layout lives here too: `SampleBatch.packed(...)`, `select` and `concat` build a batch whose
 columns are views into ONE contiguous byte buffer (an int64 header: sample count, then the element
-count of every column in `WIRE_ORDER`; then the columns, widest dtype first so each starts aligned).
+count of every column in `WIRE_ORDER`; then the per-sample columns, zero padding to 8 bytes, and the
+ragged columns, each group widest dtype first so every column starts aligned). A reused receive
+buffer keeps its per-sample views for the next message of the same sample count (`WireViews`).
 `batch.wire()` hands that buffer to the transport while no column has been replaced since, so a
 batch goes out as one contiguous message with no packing copy (B5, bench/wire_throughput.py).
 Columns may be written in place (the judge fills `reward`); assigning a new array to a column
@@ -25,6 +27,7 @@ just makes `wire()` return None, and the transport packs that batch.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field, fields
 from operator import is_
 
@@ -140,7 +143,7 @@ class SampleBatch:
             if sizes[name]:
                 where = gathers[LENGTH_OF[name]] if name in RAGGED else index
                 np.take(getattr(self, name), where, out=views[name])
-        return _adopt(buffer, views)
+        return _adopt(buffer, views.values())
 
     def sorted_by_id(self) -> SampleBatch:
         """Samples in sample-id order: downstream math must not depend on message arrival order."""
@@ -157,7 +160,7 @@ class SampleBatch:
         for name in COLUMNS:
             if views[name].size:
                 np.concatenate([getattr(b, name) for b in batches], out=views[name])
-        return _adopt(buffer, views)
+        return _adopt(buffer, views.values())
 
 
 def _ragged_positions(lengths: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -188,60 +191,139 @@ def image_columns(images: list[list[bytes]], n: int) -> dict[str, np.ndarray]:
 COLUMNS = [f.name for f in fields(SampleBatch)]
 PER_SAMPLE = [c for c in COLUMNS if c not in RAGGED]
 DTYPES = {name: SampleBatch().__getattribute__(name).dtype for name in COLUMNS}
-WIRE_ORDER = sorted(COLUMNS, key=lambda c: -DTYPES[c].itemsize)  # stable: schema order within a width
+
+
+def _widest_first(names: list[str]) -> list[str]:
+    return sorted(names, key=lambda c: -DTYPES[c].itemsize)  # stable: schema order within a width
+
+
+WIRE_ORDER = _widest_first(PER_SAMPLE) + _widest_first(list(RAGGED))
+"""The columns on the wire: the per-sample ones, then the ragged ones (8-byte aligned), each group
+widest dtype first so that every column starts aligned for its dtype. The per-sample columns lie
+where the sample count alone puts them, so a reused receive buffer keeps their views (`WireViews`)."""
 HEADER_WORDS = 1 + len(WIRE_ORDER)
+HEADER_BYTES = 8 * HEADER_WORDS
+_HEAD = len(PER_SAMPLE)  # WIRE_ORDER[:_HEAD] are the per-sample columns
+_HEAD_NAMES, _TAIL_NAMES = WIRE_ORDER[:_HEAD], WIRE_ORDER[_HEAD:]
+
+
+def _align8(offset: int) -> int:
+    return (offset + 7) & ~7
+
+
+def wire_parts(batch: SampleBatch) -> list[np.ndarray]:
+    """The batch's message as byte views, in order: the int64 header (sample count, element count per
+    column in WIRE_ORDER), the per-sample columns, zero padding to 8 bytes, the ragged columns."""
+    header = np.array([len(batch)] + [getattr(batch, c).size for c in WIRE_ORDER], dtype=np.int64)
+    cols = [np.ascontiguousarray(getattr(batch, c), dtype=DTYPES[c]).view(np.uint8) for c in WIRE_ORDER]
+    head = HEADER_BYTES + sum(c.nbytes for c in cols[:_HEAD])
+    return [header.view(np.uint8), *cols[:_HEAD], np.zeros(_align8(head) - head, np.uint8), *cols[_HEAD:]]
 
 
 def _layout(n: int, sizes: dict[str, int]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """A fresh buffer laid out for `n` samples and these column sizes, with the header written, and the
-    column views into it (to be filled)."""
+    """A fresh buffer laid out for `n` samples and these column sizes, with the header (and the zero
+    padding) written, and the column views into it, by name in WIRE_ORDER (to be filled)."""
     counts = [sizes[c] for c in WIRE_ORDER]
-    nbytes = 8 * HEADER_WORDS + sum(k * DTYPES[c].itemsize for c, k in zip(WIRE_ORDER, counts))
+    head = HEADER_BYTES + sum(k * DTYPES[c].itemsize for c, k in zip(WIRE_ORDER[:_HEAD], counts))
+    nbytes = _align8(head) + sum(k * DTYPES[c].itemsize for c, k in zip(WIRE_ORDER[_HEAD:], counts[_HEAD:]))
     buffer = np.empty(nbytes, dtype=np.uint8)
-    buffer[:8 * HEADER_WORDS].view(np.int64)[:] = [n, *counts]
-    return buffer, _views(buffer, counts)
+    buffer[:HEADER_BYTES].view(np.int64)[:] = [n, *counts]
+    buffer[head:_align8(head)] = 0  # no stale process memory on the wire
+    return buffer, dict(zip(WIRE_ORDER, _views(buffer, counts)))
 
 
 _TYPES = sorted({DTYPES[c] for c in WIRE_ORDER}, key=str)
-_SLOTS = [(c, _TYPES.index(DTYPES[c]), DTYPES[c].itemsize) for c in WIRE_ORDER]
-"""Per column in WIRE_ORDER: its name, its dtype's place in _TYPES and its item size."""
+_SLOTS = [(_TYPES.index(DTYPES[c]), DTYPES[c].itemsize) for c in WIRE_ORDER]
+"""Per column in WIRE_ORDER: its dtype's place in _TYPES and its item size."""
 
 
 def typed_views(buffer: np.ndarray) -> list[np.ndarray]:
     """`buffer` (uint8) seen as every wire dtype, as far as whole items fit: `from_wire` slices the
-    columns out of these. A receiver that reuses its buffer keeps them with it and passes them."""
+    columns out of these. A receiver that reuses its buffer keeps them with it (`WireViews`)."""
     n = buffer.nbytes
     return [buffer[:n - n % t.itemsize].view(t) for t in _TYPES]
 
 
-def _views(buffer: np.ndarray, counts, typed: list[np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """Every column as a view into `buffer`: one slice of a typed view per column (each column starts
-    at a multiple of its item size: widest first, after an int64 header). Runs once per received
-    message (B5), so no other Python object per column."""
-    typed = typed_views(buffer) if typed is None else typed
-    views, offset = {}, 8 * HEADER_WORDS
-    for (name, t, itemsize), count in zip(_SLOTS, counts):
+def _slices(typed: list[np.ndarray], slots, counts, offset: int) -> tuple[list[np.ndarray], int]:
+    """One slice of a typed view per column (`slots` and `counts` from byte `offset` on), and the byte
+    offset after them. Runs for every received message (B5): no other Python object per column."""
+    views = []
+    for (t, itemsize), count in zip(slots, counts):
         first = offset // itemsize
-        views[name] = typed[t][first:first + count]
+        views.append(typed[t][first:first + count])
         offset += count * itemsize
-    return views
+    return views, offset
 
 
-def _adopt(buffer: np.ndarray, views: dict[str, np.ndarray]) -> SampleBatch:
-    """The batch whose columns are `views` into `buffer`, remembered as its wire form. Every column
-    is at full length already (the layout was sized so), so the dataclass init is skipped: this runs
-    once per received message."""
+def _views(buffer: np.ndarray, counts: list[int], typed: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """Every column, in WIRE_ORDER, as a view into `buffer` laid out for these element counts."""
+    typed = typed_views(buffer) if typed is None else typed
+    head, end = _slices(typed, _SLOTS[:_HEAD], counts[:_HEAD], HEADER_BYTES)
+    return head + _slices(typed, _SLOTS[_HEAD:], counts[_HEAD:], _align8(end))[0]
+
+
+class WireViews:
+    """What a reused receive buffer (`comm.transport.ReceiveBuffers`) keeps between messages: its
+    typed views, and the per-sample column views of the last message (they depend on the per-sample
+    counts alone: a stream of equal-sized batches reuses them, and a message makes views only for its
+    ragged columns). `refs` is how many references those views hold on the buffer (measured), so the
+    pool can tell a free buffer from one a batch still reads; a kept view that anything else still
+    holds keeps the buffer busy (`in_use`)."""
+
+    __slots__ = ("typed", "key", "head", "named", "tail_at", "refs")
+
+    def __init__(self, buffer: np.ndarray) -> None:
+        self.typed = typed_views(buffer)
+        self.key: list[int] | None = None  # the per-sample counts the kept views are for
+        self.head: tuple[np.ndarray, ...] = ()  # the kept views in WIRE_ORDER
+        self.named: dict[str, np.ndarray] = {}  # the same, by column name
+        self.tail_at = self.refs = 0
+
+    def batch(self, buffer: np.ndarray, counts: list[int]) -> SampleBatch:
+        """The batch of a message with these counts in `buffer` (a view of the pooled buffer)."""
+        key = counts[:_HEAD]
+        if key != self.key:
+            root = buffer if buffer.base is None else buffer.base
+            self.head, self.named, self.refs = (), {}, 0  # the old views go first: `refs` is measured without them
+            before = sys.getrefcount(root)
+            head, end = _slices(self.typed, _SLOTS[:_HEAD], key, HEADER_BYTES)
+            self.head, self.named, self.key, self.tail_at = tuple(head), dict(zip(_HEAD_NAMES, head)), key, _align8(end)
+            del head
+            self.refs = sys.getrefcount(root) - before
+        tail = _slices(self.typed, _SLOTS[_HEAD:], counts[_HEAD:], self.tail_at)[0]
+        batch = object.__new__(SampleBatch)  # as `_adopt`, with the kept views merged in one go
+        columns = batch.__dict__
+        columns.update(self.named)
+        columns.update(zip(_TAIL_NAMES, tail))
+        batch._wire = (buffer, self.head + tuple(tail))
+        return batch
+
+    def in_use(self) -> bool:
+        """Whether a kept view is held outside this object (a batch, or a column someone kept)."""
+        for view in self.head:  # noqa: SIM110 - the count below is of this loop's references
+            if sys.getrefcount(view) != 4:  # `head`, `named`, `view` and getrefcount's argument
+                return True
+        return False
+
+
+def _adopt(buffer: np.ndarray, views) -> SampleBatch:
+    """The batch whose columns are `views` (in WIRE_ORDER) into `buffer`, remembered as its wire form.
+    Every column is at full length already (the layout was sized so), so the dataclass init is
+    skipped: this runs once per received message."""
     batch = object.__new__(SampleBatch)
-    batch.__dict__.update(views)
-    batch._wire = (buffer, tuple(views.values()))  # `_views` made them in WIRE_ORDER
+    views = tuple(views)
+    batch.__dict__.update(zip(WIRE_ORDER, views))
+    batch._wire = (buffer, views)
     return batch
 
 
-def from_wire(buffer: np.ndarray, typed: list[np.ndarray] | None = None) -> SampleBatch:
+def from_wire(buffer: np.ndarray, pooled: WireViews | None = None) -> SampleBatch:
     """The batch a wire buffer holds (what `wire()` returned on the sender); columns are views, no copy.
-    `typed`: `typed_views` of `buffer` or of the larger buffer it starts (a pooled receive buffer)."""
-    header = np.frombuffer(buffer, dtype=np.int64, count=HEADER_WORDS)
-    return _adopt(buffer, _views(buffer, header[1:].tolist(), typed))
+    `pooled`: the `WireViews` of the pooled receive buffer `buffer` starts (`ReceiveBuffers.take_typed`)."""
+    counts = memoryview(buffer)[8:HEADER_BYTES].cast("q").tolist()  # the header less the sample count
+    if pooled is None:
+        return _adopt(buffer, _views(buffer, counts))
+    return pooled.batch(buffer, counts)
 
 
 def _filled(batch: SampleBatch) -> SampleBatch:
@@ -257,4 +339,4 @@ def _packed(batch: SampleBatch) -> SampleBatch:
     for name in COLUMNS:
         if sizes[name]:
             views[name][:] = getattr(batch, name)
-    return _adopt(buffer, views)
+    return _adopt(buffer, views.values())

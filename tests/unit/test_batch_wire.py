@@ -103,6 +103,63 @@ def test_a_pooled_buffer_comes_with_typed_views_that_give_the_same_batch():
     assert pool.take_typed(wire.nbytes)[1] is typed, "free again once no column refers to it"
 
 
+def receive(pool, wire: np.ndarray) -> SampleBatch:
+    """What `recv_batch` does with a message once MPI has it: into a pooled buffer, then views."""
+    buffer, pooled = pool.take_typed(wire.nbytes)
+    buffer[:] = wire
+    return from_wire(buffer, pooled)
+
+
+def test_a_stream_of_equal_sized_batches_reuses_the_per_sample_views_and_reads_right():
+    from yatt_hpc.batch import PER_SAMPLE, RAGGED
+    from yatt_hpc.comm.transport import ReceiveBuffers
+
+    pool = ReceiveBuffers(keep=1, largest=1 << 20)
+    first_src, second_src = column_built(seed=1), column_built(seed=2)  # same n, other ragged sizes
+    first = receive(pool, first_src.select(np.arange(5)).wire())
+    same(first, first_src)
+    kept = {c: id(getattr(first, c)) for c in PER_SAMPLE}
+    del first
+    second = receive(pool, second_src.select(np.arange(5)).wire())
+    same(second, second_src)  # the can-fail check: stale per-sample or misplaced ragged views would differ
+    assert {c: id(getattr(second, c)) for c in PER_SAMPLE} == kept, "the same per-sample view objects"
+    assert second.wire() is not None and all(np.shares_memory(getattr(second, c), second.wire())
+                                             for c in RAGGED if getattr(second, c).size)
+    del second
+    odd = column_built(n=3, seed=3)  # another sample count: new views (and 8-byte padding before the ragged ones)
+    got = receive(pool, odd.select(np.arange(3)).wire())
+    same(got, odd)  # kept views of 5 samples would not be
+    assert got.sample_id.shape == (3,) and len(pool) == 1
+
+
+def test_a_kept_column_keeps_its_buffer_from_being_written_again():
+    """A per-sample column someone kept after dropping its batch is a view the pool would reuse: the
+    buffer must stay busy, or the next message would overwrite the kept values."""
+    from yatt_hpc.comm.transport import ReceiveBuffers
+
+    pool = ReceiveBuffers(keep=2, largest=1 << 20)
+    first_src, second_src = column_built(seed=4), column_built(seed=5)
+    first = receive(pool, first_src.select(np.arange(5)).wire())
+    rewards = first.prompt_id  # a per-sample column, kept
+    owner = id(first.wire().base)  # the pooled buffer (the pool keeps it: its id stays its own)
+    del first
+    second = receive(pool, second_src.select(np.arange(5)).wire())
+    assert id(second.wire().base) != owner, "the kept column's buffer was not taken"
+    assert rewards.tolist() == first_src.prompt_id.tolist()
+    same(second, second_src)
+    del rewards, second
+    third = receive(pool, first_src.select(np.arange(5)).wire())
+    same(third, first_src)
+
+
+def test_padding_between_per_sample_and_ragged_columns_is_zero_and_packing_matches():
+    for n in (1, 3, 5):
+        plain = column_built(n=n, seed=n)
+        made = plain.select(np.arange(n))
+        assert made.wire().tobytes() == np.concatenate(wire_parts(plain)).tobytes()
+        same(from_wire(made.wire().copy()), plain)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_select_gathers_every_column_of_the_picked_samples_in_order(seed):
     """`select` gathers the ragged columns in one vectorised step: each picked sample keeps exactly its

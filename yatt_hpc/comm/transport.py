@@ -8,7 +8,8 @@ stored flat with a per-sample length column. On the wire a batch is ONE message 
 header (sample count + element count of every column) followed by the columns, the layout of
 `batch.wire()`; the receiver takes it with one matched probe (`Improbe`: the message and its size),
 receives it into a reused buffer (`ReceiveBuffers`) and takes zero-copy column views
-(`batch.from_wire`, one slice per column). A batch made by `select`/`concat`/`packed` (every batch
+(`batch.from_wire`: one slice per ragged column; the per-sample views a buffer kept from its last
+message of the same sample count are taken as they are). A batch made by `select`/`concat`/`packed` (every batch
 the controllers send) already lies in that layout, so it is sent as one contiguous buffer with no
 copy; any other batch is read in place through an MPI datatype over its columns' addresses
 (`gather_type`). B5 (bench/wire_throughput.py) measures this path against raw Send/Recv.
@@ -33,8 +34,7 @@ from mpi4py import MPI
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.batch import COLUMNS as _COLUMNS
 from yatt_hpc.batch import DTYPES as _DTYPES
-from yatt_hpc.batch import HEADER_WORDS, SampleBatch, from_wire, typed_views
-from yatt_hpc.batch import WIRE_ORDER as _WIRE_ORDER
+from yatt_hpc.batch import HEADER_WORDS, SampleBatch, WireViews, from_wire, wire_parts
 from yatt_hpc.comm.doorbell import DOORBELL
 
 # message tags of the inter-group protocol
@@ -46,14 +46,6 @@ TAG_COUNT = 16  # trainer -> genrm: groups to keep, then (rollout rank, samples)
 TAG_STOP = 17  # genrm -> rollout: [owner] target met, drop that replica's remaining work (over-dispatch)
 TAG_END = 18  # rollout -> genrm: [owner, samples sent, samples aborted], the answer to one TAG_STOP
 TAG_WEIGHTS_DONE = 19  # rollout -> trainer: [tensors] an ipc weight bucket is copied and loaded
-
-
-def wire_parts(batch: SampleBatch) -> list[np.ndarray]:
-    """The batch's message as byte views, in order: an int64 header (sample count, element count per
-    column), then every column. Columns go widest dtype first, so each one starts aligned for its dtype."""
-    header = np.array([len(batch)] + [getattr(batch, c).size for c in _WIRE_ORDER], dtype=np.int64)
-    return [header.view(np.uint8)] + [np.ascontiguousarray(getattr(batch, c), dtype=_DTYPES[c]).view(np.uint8)
-                                      for c in _WIRE_ORDER]
 
 
 def pack(batch: SampleBatch) -> np.ndarray:
@@ -107,13 +99,15 @@ class ReceiveBuffers:
     exactly when no view of it is alive, which CPython's reference count says. At most `keep` buffers
     of at most `largest` bytes are kept; bigger messages (image shards) get a buffer of their own, so
     the pool never holds more than keep x largest bytes that nothing uses. Each kept buffer keeps its
-    `typed_views` too, so a message's columns are one slice each (B5).
+    `WireViews` too: its typed views, so a message's columns are one slice each, and the per-sample
+    columns of its last message, which the next message of the same sample count takes as they are
+    (B5); a buffer whose kept views anything still holds is not free.
     """
 
     def __init__(self, keep: int = 4, largest: int = 64 << 20) -> None:
         self._buffers: list[np.ndarray] = []
-        self._typed: list[list[np.ndarray]] = []  # each buffer's typed views
-        self._idle: list[int] = []  # each buffer's reference count while nothing else refers to it
+        self._views: list[WireViews] = []  # each buffer's kept views
+        self._idle: list[int] = []  # each buffer's reference count while nothing else (nor a kept view) refers to it
         self._keep, self._largest = keep, largest
         self._lock = threading.Lock()
 
@@ -121,15 +115,16 @@ class ReceiveBuffers:
         """A uint8 buffer of exactly `nbytes` (a view of the smallest free pooled one that fits, if any)."""
         return self.take_typed(nbytes)[0]
 
-    def take_typed(self, nbytes: int) -> tuple[np.ndarray, list[np.ndarray] | None]:
-        """As `take`, with the pooled buffer's typed views for `from_wire` (None: not pooled)."""
+    def take_typed(self, nbytes: int) -> tuple[np.ndarray, WireViews | None]:
+        """As `take`, with the pooled buffer's `WireViews` for `from_wire` (None: not pooled)."""
         if nbytes > self._largest:
             return np.empty(nbytes, np.uint8), None
         with self._lock:  # one pass, no lists or lambdas: this runs once per received message (B5)
-            buffers, best, smallest_free = self._buffers, None, None
+            buffers, views, best, smallest_free = self._buffers, self._views, None, None
             for i in range(len(buffers)):
-                # unused: only the pool and getrefcount's argument refer to it (tests/unit/test_batch_wire.py)
-                if sys.getrefcount(buffers[i]) != self._idle[i]:
+                # unused: only the pool, getrefcount's argument and the kept views refer to it, and
+                # nothing else holds a kept view (tests/unit/test_batch_wire.py)
+                if sys.getrefcount(buffers[i]) != self._idle[i] + views[i].refs or views[i].in_use():
                     continue
                 size = buffers[i].nbytes
                 if size >= nbytes and (best is None or size < buffers[best].nbytes):
@@ -137,7 +132,7 @@ class ReceiveBuffers:
                 if smallest_free is None or size < buffers[smallest_free].nbytes:
                     smallest_free = i
             if best is not None:
-                return buffers[best][:nbytes], self._typed[best]
+                return buffers[best][:nbytes], views[best]
             fresh = np.empty(nbytes, np.uint8)
             if len(buffers) < self._keep:
                 return fresh[:nbytes], self._keep_buffer(len(buffers), fresh)
@@ -145,19 +140,19 @@ class ReceiveBuffers:
                 return fresh[:nbytes], self._keep_buffer(smallest_free, fresh)
             return fresh[:nbytes], None
 
-    def _keep_buffer(self, i: int, buffer: np.ndarray) -> list[np.ndarray]:
+    def _keep_buffer(self, i: int, buffer: np.ndarray) -> WireViews:
         """Keep `buffer` at place `i` (a new one at the end, or in the place of a free one)."""
         before = sys.getrefcount(buffer)
-        typed = typed_views(buffer)
+        views = WireViews(buffer)
         # free: the pool's entry, getrefcount's argument and what the typed views add (measured, not assumed)
         idle = 2 + sys.getrefcount(buffer) - before
         if i == len(self._buffers):
             self._buffers.append(buffer)
-            self._typed.append(typed)
+            self._views.append(views)
             self._idle.append(idle)
         else:
-            self._buffers[i], self._typed[i], self._idle[i] = buffer, typed, idle
-        return typed
+            self._buffers[i], self._views[i], self._idle[i] = buffer, views, idle
+        return views
 
     def __len__(self) -> int:
         return len(self._buffers)
@@ -277,9 +272,9 @@ def recv_batch(comm, source: int, tag: int, poll_s: float = 0.002) -> tuple[Samp
         message = wait_for_matched(comm, source, tag, status, poll_s, spin_s=0.0)
     else:
         ACTIVITY.progress()
-    buffer, typed = RECEIVE_BUFFERS.take_typed(status.Get_count(MPI.BYTE))
+    buffer, pooled = RECEIVE_BUFFERS.take_typed(status.Get_count(MPI.BYTE))
     message.Recv(buffer)
-    return from_wire(buffer, typed), status.Get_source()
+    return from_wire(buffer, pooled), status.Get_source()
 
 
 def bcast_batch(comm, batch: SampleBatch | None, root: int = 0) -> SampleBatch:
