@@ -270,14 +270,14 @@ class WireViews:
     pool can tell a free buffer from one a batch still reads; a kept view that anything else still
     holds keeps the buffer busy (`in_use`)."""
 
-    __slots__ = ("typed", "key", "head", "named", "tail_at", "refs")
+    __slots__ = ("typed", "key", "head", "named", "tail_at", "refs", "held")
 
     def __init__(self, buffer: np.ndarray) -> None:
         self.typed = typed_views(buffer)
         self.key: list[int] | None = None  # the per-sample counts the kept views are for
         self.head: tuple[np.ndarray, ...] = ()  # the kept views in WIRE_ORDER
         self.named: dict[str, np.ndarray] = {}  # the same, by column name
-        self.tail_at = self.refs = 0
+        self.tail_at = self.refs = self.held = 0  # held: the kept views' reference counts, summed, when kept alone
 
     def batch(self, buffer: np.ndarray, counts: list[int]) -> SampleBatch:
         """The batch of a message with these counts in `buffer` (a view of the pooled buffer)."""
@@ -290,6 +290,7 @@ class WireViews:
             self.head, self.named, self.key, self.tail_at = tuple(head), dict(zip(_HEAD_NAMES, head)), key, _align8(end)
             del head
             self.refs = sys.getrefcount(root) - before
+            self.held = sum(map(sys.getrefcount, self.head))
         tail = _slices(self.typed, _SLOTS[_HEAD:], counts[_HEAD:], self.tail_at)[0]
         batch = object.__new__(SampleBatch)  # as `_adopt`, with the kept views merged in one go
         columns = batch.__dict__
@@ -299,11 +300,9 @@ class WireViews:
         return batch
 
     def in_use(self) -> bool:
-        """Whether a kept view is held outside this object (a batch, or a column someone kept)."""
-        for view in self.head:  # noqa: SIM110 - the count below is of this loop's references
-            if sys.getrefcount(view) != 4:  # `head`, `named`, `view` and getrefcount's argument
-                return True
-        return False
+        """Whether a kept view is held outside this object (a batch, or a column someone kept): a
+        count can only be above its own when alone, so the sum says it (one pass in C)."""
+        return sum(map(sys.getrefcount, self.head)) != self.held
 
 
 def _adopt(buffer: np.ndarray, views) -> SampleBatch:
