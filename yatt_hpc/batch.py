@@ -124,14 +124,19 @@ class SampleBatch:
         """A batch of these columns (as for the constructor), copied into one contiguous buffer."""
         return _packed(SampleBatch(**columns))
 
-    def select(self, index: np.ndarray) -> SampleBatch:
-        """A new batch with the samples at `index`, in that order (contiguous: see `wire`)."""
+    def select(self, index: np.ndarray, **given: np.ndarray) -> SampleBatch:
+        """A new batch with the samples at `index`, in that order (contiguous: see `wire`). `given`:
+        columns of the picked samples (in `index` order) written as they are instead of gathered from
+        this batch, e.g. a rollout's responses: one buffer, ready to send, no packing copy after."""
         index = np.asarray(index, dtype=np.int64)
         n = len(index)
+        _check_given(given)
         gathers: dict[str, np.ndarray] = {}  # per length column: where the picked samples' elements are
         sizes = {}
         for name in COLUMNS:
-            if name in RAGGED:
+            if name in given:
+                sizes[name] = given[name].size
+            elif name in RAGGED:
                 by = LENGTH_OF[name]
                 if by not in gathers:
                     gathers[by] = _ragged_positions(getattr(self, by), index)
@@ -140,9 +145,12 @@ class SampleBatch:
                 sizes[name] = n
         buffer, views = _layout(n, sizes)
         for name in COLUMNS:
-            if sizes[name]:
-                where = gathers[LENGTH_OF[name]] if name in RAGGED else index
-                np.take(getattr(self, name), where, out=views[name])
+            if not sizes[name]:
+                continue
+            if name in given:
+                views[name][:] = given[name]
+            else:
+                np.take(getattr(self, name), gathers[LENGTH_OF[name]] if name in RAGGED else index, out=views[name])
         return _adopt(buffer, views.values())
 
     def sorted_by_id(self) -> SampleBatch:
@@ -161,6 +169,16 @@ class SampleBatch:
             if views[name].size:
                 np.concatenate([getattr(b, name) for b in batches], out=views[name])
         return _adopt(buffer, views.values())
+
+
+def _check_given(given: dict[str, np.ndarray]) -> None:
+    """`select`'s given columns: known names, and a length column only with every ragged column it measures."""
+    for name in given:
+        if name not in DTYPES:
+            raise ValueError(f"select: {name!r} is not a SampleBatch column (columns: {', '.join(COLUMNS)})")
+        missing = [c for c, by in LENGTH_OF.items() if by == name and c not in given]
+        if missing:
+            raise ValueError(f"select: {name!r} is given but not {', '.join(missing)}, which it measures; give them too")
 
 
 def _ragged_positions(lengths: np.ndarray, index: np.ndarray) -> np.ndarray:

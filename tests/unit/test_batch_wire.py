@@ -182,3 +182,22 @@ def test_select_gathers_every_column_of_the_picked_samples_in_order(seed):
             want = [source[i] for i in index]
             assert [a.tolist() for a in got.ragged(name)] == [w.tolist() for w in want], name
         assert got.wire() is not None
+
+
+def test_select_writes_given_columns_as_they_are_and_refuses_a_length_without_its_columns():
+    plain = column_built(n=5, seed=7)
+    rows = np.array([3, 1])
+    lens = np.array([2, 3], np.int32)
+    made = plain.select(rows, response_len=lens, response_tokens=np.array([7, 8, 9, 10, 11], np.int32),
+                        logprobs=np.linspace(0, 1, 5, dtype=np.float32), finish=np.array([1, 0], np.int8))
+    picked = plain.select(rows)
+    for c in COLUMNS:
+        if c not in ("response_len", "response_tokens", "logprobs", "finish"):
+            assert np.array_equal(getattr(made, c), getattr(picked, c)), c
+    assert made.response_len.tolist() == [2, 3] and made.response_tokens.tolist() == [7, 8, 9, 10, 11]
+    assert made.finish.tolist() == [1, 0] and made.wire() is not None, "one buffer: sent as it lies"
+    same(from_wire(made.wire().copy()), made)
+    with pytest.raises(ValueError, match="'response_len' is given but not response_tokens, logprobs"):
+        plain.select(rows, response_len=lens)
+    with pytest.raises(ValueError, match="'rewards' is not a SampleBatch column"):
+        plain.select(rows, rewards=np.zeros(2, np.float32))

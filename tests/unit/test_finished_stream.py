@@ -36,3 +36,13 @@ def test_a_straggler_waits_no_longer_than_the_hold_and_the_end_flushes_the_rest(
     assert stream.take(_r(8), now=20.0, ended=False) == []                 # the clock starts with the first waiting
     assert _ids(stream.take([], now=20.001, ended=True)) == [[8]]
     assert stream.take([], now=20.002, ended=True) == []                   # nothing left: nothing sent
+
+
+def test_finished_samples_go_out_per_owner():
+    """A message goes to one replica's GenRM: each owner's samples fill their own batch and wait on their own clock."""
+    stream = FinishedResults(lambda sid: sid // 3, n=3, by_sample=True, owner_of=lambda sid: sid // 6)  # owners 0: 0-5, 1: 6-11
+    assert stream.take(_r(0, 7, 1, 8), now=0.0, ended=False) == []          # two of each owner
+    assert _ids(stream.take(_r(9), now=0.001, ended=False)) == [[7, 8, 9]]   # owner 1 has three
+    assert stream.take(_r(10), now=0.015, ended=False) == []
+    assert _ids(stream.take([], now=SAMPLE_HOLD_S * 1.01, ended=False)) == [[0, 1]]  # owner 0 waited its bound
+    assert _ids(stream.take([], now=0.016 + SAMPLE_HOLD_S, ended=False)) == [[10]]

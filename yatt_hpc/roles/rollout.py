@@ -140,27 +140,28 @@ class RolloutController(BaseController):
         """`rollout.streaming=finished_groups`: one engine call for the chunk; a helper thread sends
         each prompt group to its GenRM rank as soon as the engine reports its last sample finished
         (and, with over-dispatch, takes the STOPs, aborting the engine once every owner is stopped).
-        `finished_samples`: finished samples, a group's worth at a time (`sched/finished.py`). The
+        `finished_samples`: each owner's finished samples, a group's worth at a time (`sched/finished.py`). The
         engine's thread decides what is due (`on_result`) and wakes the helper only then: the helper
         shares the engine's interpreter, and each wake-up takes the GIL from the decode loop. While
         the engine runs only the helper talks MPI. Returns the samples sent."""
         row_of = {int(sid): i for i, sid in enumerate(chunk.sample_id)}
         stream = FinishedResults(lambda sid: int(chunk.prompt_id[row_of[sid]]), self.cfg.rollout.samples_per_prompt,
-                                 by_sample=self.streaming == "finished_samples")
+                                 by_sample=self.streaming == "finished_samples",
+                                 owner_of=lambda sid: int(chunk.owner[row_of[sid]]))
         finished: queue.SimpleQueue = queue.SimpleQueue()
         owners = {int(o) for o in np.unique(chunk.owner)}
         sent, failure = [0], []
 
         def send(results: list[GenerationResult]) -> None:
-            """Each owner's part of `results` to its GenRM rank, unless the owner was stopped."""
-            for owner in sorted({int(chunk.owner[row_of[r.sample_id]]) for r in results}):
-                part = self.fill(chunk.select(np.array(sorted(row_of[r.sample_id] for r in results
-                                                              if int(chunk.owner[row_of[r.sample_id]]) == owner))),
-                                 {r.sample_id: r for r in results})
-                if owner not in work.stopped:
-                    sender.send(self.genrm_of(owner), TAG_SAMPLES, part)
-                    work.mark_sent(owner, len(part))
-                    sent[0] += len(part)
+            """`results` (of one owner: `FinishedResults` keeps owners apart) to the owner's GenRM rank,
+            unless the owner was stopped."""
+            rows = sorted(row_of[r.sample_id] for r in results)
+            owner = int(chunk.owner[rows[0]])
+            if owner not in work.stopped:
+                part = self.fill(chunk, {r.sample_id: r for r in results}, rows)
+                sender.send(self.genrm_of(owner), TAG_SAMPLES, part)
+                work.mark_sent(owner, len(part))
+                sent[0] += len(part)
 
         lock = threading.Lock()  # the stream is fed on the engine's thread and flushed on the helper's
 
@@ -241,15 +242,18 @@ class RolloutController(BaseController):
     def generate(self, prompts: SampleBatch) -> SampleBatch:
         return self.fill(prompts, {r.sample_id: r for r in self.engine.generate(self.requests(prompts))})
 
-    def fill(self, prompts: SampleBatch, results: dict[int, GenerationResult]) -> SampleBatch:
-        """The prompt rows with their generated responses, logprobs and finish codes."""
-        ordered = [results[int(sid)] for sid in prompts.sample_id]
-        prompts.response_len = np.array([len(r.response_ids) for r in ordered], np.int32)
-        prompts.response_tokens = np.concatenate([r.response_ids for r in ordered]).astype(np.int32)
-        prompts.logprobs = np.concatenate([r.logprobs for r in ordered]).astype(np.float32)
-        prompts.finish = np.array([FINISH_CODES[r.finish_reason] for r in ordered], np.int8)
-        self.stats.add("response_tokens", float(prompts.response_len.sum()))
-        return prompts
+    def fill(self, prompts: SampleBatch, results: dict[int, GenerationResult],
+             rows: list[int] | None = None) -> SampleBatch:
+        """The prompt rows `rows` (all by default) with their generated responses, logprobs and finish
+        codes: one new buffer, sent as it lies (`SampleBatch.select` with the responses given)."""
+        rows = np.arange(len(prompts)) if rows is None else np.asarray(rows, dtype=np.int64)
+        ordered = [results[int(sid)] for sid in prompts.sample_id[rows]]
+        lens = np.array([len(r.response_ids) for r in ordered], np.int32)
+        filled = prompts.select(rows, response_len=lens, response_tokens=_flat([r.response_ids for r in ordered], np.int32),
+                                logprobs=_flat([r.logprobs for r in ordered], np.float32),
+                                finish=np.array([FINISH_CODES[r.finish_reason] for r in ordered], np.int8))
+        self.stats.add("response_tokens", float(lens.sum()))
+        return filled
 
     def receive_weights(self) -> None:
         # In colocation the engine stays released: an update while released restores only the
@@ -270,6 +274,10 @@ class RolloutController(BaseController):
 
     def after_resume(self, step: int) -> None:
         self.receive_weights()  # the trainer sends its restored weights
+
+
+def _flat(arrays: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
 
 
 def _drain(finished: queue.SimpleQueue) -> tuple[list[list[GenerationResult]], bool]:
