@@ -215,7 +215,8 @@ class RolloutConfig(Section):
     and sends each prompt group the moment its last sample finishes, so scoring overlaps the long
     tail without cutting the engine's batch (which groups finish first depends on the responses:
     with over-dispatch, which prompts make a step then depends on timing too); `finished_samples`
-    does the same with each sample (those finished together go in one message), so GenRM starts
+    does the same per sample (a group's worth of one replica's finished samples per message, or
+    those that waited 20 ms), so GenRM starts
     with the first short response, not the first whole group; groups still reach the trainer whole.
     Not with over-dispatch (which keeps the first groups to finish whole)."""
     stream_queue: int = Field(4, ge=1)
