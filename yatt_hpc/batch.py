@@ -242,8 +242,8 @@ def _layout(n: int, sizes: dict[str, int]) -> tuple[np.ndarray, dict[str, np.nda
     """A fresh buffer laid out for `n` samples and these column sizes, with the header (and the zero
     padding) written, and the column views into it, by name in WIRE_ORDER (to be filled)."""
     counts = [sizes[c] for c in WIRE_ORDER]
-    head = HEADER_BYTES + sum(k * DTYPES[c].itemsize for c, k in zip(WIRE_ORDER[:_HEAD], counts))
-    nbytes = _align8(head) + sum(k * DTYPES[c].itemsize for c, k in zip(WIRE_ORDER[_HEAD:], counts[_HEAD:]))
+    head = HEADER_BYTES + sum(k * DTYPES[c].itemsize for c, k in zip(_HEAD_NAMES, counts))
+    nbytes = _align8(head) + sum(k * DTYPES[c].itemsize for c, k in zip(_TAIL_NAMES, counts[_HEAD:]))
     buffer = np.empty(nbytes, dtype=np.uint8)
     buffer[:HEADER_BYTES].view(np.int64)[:] = [n, *counts]
     buffer[head:_align8(head)] = 0  # no stale process memory on the wire
@@ -253,6 +253,7 @@ def _layout(n: int, sizes: dict[str, int]) -> tuple[np.ndarray, dict[str, np.nda
 _TYPES = sorted({DTYPES[c] for c in WIRE_ORDER}, key=str)
 _SLOTS = [(_TYPES.index(DTYPES[c]), DTYPES[c].itemsize) for c in WIRE_ORDER]
 """Per column in WIRE_ORDER: its dtype's place in _TYPES and its item size."""
+_HEAD_SLOTS, _TAIL_SLOTS = _SLOTS[:_HEAD], _SLOTS[_HEAD:]  # per-sample, ragged: not sliced per message (B5)
 
 
 def typed_views(buffer: np.ndarray) -> list[np.ndarray]:
@@ -276,8 +277,8 @@ def _slices(typed: list[np.ndarray], slots, counts, offset: int) -> tuple[list[n
 def _views(buffer: np.ndarray, counts: list[int], typed: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """Every column, in WIRE_ORDER, as a view into `buffer` laid out for these element counts."""
     typed = typed_views(buffer) if typed is None else typed
-    head, end = _slices(typed, _SLOTS[:_HEAD], counts[:_HEAD], HEADER_BYTES)
-    return head + _slices(typed, _SLOTS[_HEAD:], counts[_HEAD:], _align8(end))[0]
+    head, end = _slices(typed, _HEAD_SLOTS, counts[:_HEAD], HEADER_BYTES)
+    return head + _slices(typed, _TAIL_SLOTS, counts[_HEAD:], _align8(end))[0]
 
 
 class WireViews:
@@ -304,12 +305,12 @@ class WireViews:
             root = buffer if buffer.base is None else buffer.base
             self.head, self.named, self.refs = (), {}, 0  # the old views go first: `refs` is measured without them
             before = sys.getrefcount(root)
-            head, end = _slices(self.typed, _SLOTS[:_HEAD], key, HEADER_BYTES)
+            head, end = _slices(self.typed, _HEAD_SLOTS, key, HEADER_BYTES)
             self.head, self.named, self.key, self.tail_at = tuple(head), dict(zip(_HEAD_NAMES, head)), key, _align8(end)
             del head
             self.refs = sys.getrefcount(root) - before
             self.held = sum(map(sys.getrefcount, self.head))
-        tail = _slices(self.typed, _SLOTS[_HEAD:], counts[_HEAD:], self.tail_at)[0]
+        tail = _slices(self.typed, _TAIL_SLOTS, counts[_HEAD:], self.tail_at)[0]
         batch = object.__new__(SampleBatch)  # as `_adopt`, with the kept views merged in one go
         columns = batch.__dict__
         columns.update(self.named)

@@ -7,8 +7,8 @@
 `finished_groups`: a prompt group goes out once all n of its samples have finished.
 `finished_samples`: each owner's finished samples go out a group's worth (n) at a time, or once the
 first of them has waited `SAMPLE_HOLD_S`, and whatever is left when the engine call ends (one owner
-per message: a replica's samples go to its GenRM rank; mixed batches were split into two messages). A message per
-sample cost the engine's decode loop ~50 ms of a 0.5 s B4 rollout (the sender shares the engine's
+per message: a replica's samples go to its GenRM rank; mixed batches were split into two messages).
+A message per sample cost the engine's decode loop ~50 ms of a 0.5 s B4 rollout (the sender shares the engine's
 process); the bound keeps the long tail's stragglers from waiting for company. The rollout rank
 feeds `take` on the engine's thread as each result comes and wakes its sender only for what is
 due, and the sender flushes held samples when it wakes (at least every SAMPLE_HOLD_S / 2), so a
@@ -22,8 +22,7 @@ SAMPLE_HOLD_S = 0.02
 
 
 class FinishedResults:
-    def __init__(self, group_of: Callable[[int], int], n: int, by_sample: bool,
-                 owner_of: Callable[[int], int] = lambda sid: 0):
+    def __init__(self, group_of: Callable[[int], int], n: int, by_sample: bool, owner_of: Callable[[int], int]):
         self.group_of, self.owner_of, self.n, self.by_sample = group_of, owner_of, n, by_sample
         self.groups: dict[int, list] = {}  # finished_groups: the samples of each group so far
         self.ready: dict[int, list] = {}  # finished_samples: per owner, finished and not sent yet
