@@ -1,6 +1,6 @@
 """A stop signal during a long step, under real mpirun: the step is given up after checkpoint.stop_grace_s.
 
-The step is long by configuration alone (64 prompts x 16 samples: seconds on CPU, most of them before
+The step is long by configuration alone (256 prompts x 16 samples: ~4 s on CPU, most of them before
 the optimizer step). SIGTERM lands early in step 2; the leader gives the step up within the grace
 plus polling, checkpoint step-1 is committed after its write (written by the watchdogs:
 checkpoint.interval=0 saves nothing on its own; the fsyncs take ~0.1s here, but a disk shared with
@@ -25,7 +25,7 @@ from tests.mpi.test_exact_resume import assert_same, finished_steps
 from tests.mpi.test_overdispatch_run import assert_every_position_consumed_once_or_queued
 from yatt_hpc.ckpt.state import read_shared
 
-K, PROMPTS, GRACE = 2, 64, 1.0
+K, PROMPTS, GRACE = 2, 256, 1.0
 ARGS = ["--set", f"train.steps={K}", "--set", f"train.prompts_per_step={PROMPTS}", "--set", "rollout.samples_per_prompt=16",
         "--set", "checkpoint.interval=0", "--set", f"checkpoint.stop_grace_s={GRACE}", "--set", "logging.progress=false",
         "--set", "logging.tensorboard=false"]
