@@ -58,13 +58,13 @@ def main(out: str, cap: int, sets: list[str]) -> None:
         left += 1
     for requests, _ in pending:
         MPI.Request.Waitall(requests)
-    got = {"taken": [len(b) for b, _ in arrived], "left": left, "calls": [len(c) for c in calls]}
+    got = {"taken": [len(b) for _, b, _ in arrived], "left": left, "calls": [len(c) for c in calls]}
     if len(arrived) == len(parts):  # score them as score_wave does: one call, each replica its share
         waves = {o: ReplicaWave(keep=8, n=4, expected={0: 32}, handshake=False) for o in (0, 1)}  # not complete yet
         shares = {0: [], 1: []}
-        for b, source in arrived:
-            waves[int(b.owner[0])].on_samples(source, len(b))
-        ctl.score_arrived({0: [b for b, _ in arrived[:2]], 1: [arrived[2][0]]}, waves, shares,
+        for owner, b, source in arrived:
+            waves[owner].on_samples(source, len(b))
+        ctl.score_arrived({0: [b for _, b, _ in arrived[:2]], 1: [arrived[2][1]]}, waves, shares,
                           StreamSender(MPI.COMM_WORLD, 2))
         got.update(calls=[len(c) for c in calls], together={o: [x.sample_id.tolist() for x in shares[o]] for o in shares},
                    rewards={o: [x.reward.tolist() for x in shares[o]] for o in shares}, alone=alone,

@@ -33,7 +33,7 @@ def build_engine():
     class IdleEngine(BaseEngine):
         weight_version = 0
 
-        def generate(self, requests, on_result=None):
+        def generate(self, requests, on_result=None, on_step=None):
             return []
 
         def abort(self): ...

@@ -65,9 +65,13 @@ class SpawningEngine(BaseEngine):
             raise RuntimeError(f"the engine child {self._child.pid} died (exit code {self._child.exitcode}); "
                                "SGLang's subprocess watchdog would take this rank down")
 
-    def generate(self, requests, on_result=None):
+    @property
+    def reports_while_decoding(self) -> bool:
+        return self.inner.reports_while_decoding
+
+    def generate(self, requests, on_result=None, on_step=None):
         self._check_child()
-        return self.inner.generate(requests, on_result)
+        return self.inner.generate(requests, on_result, on_step)
 
     def abort(self) -> None:
         self.inner.abort()

@@ -15,21 +15,21 @@ def _ids(sends):
 
 
 def test_finished_groups_go_out_whole_in_the_order_they_complete():
-    stream = FinishedResults(lambda sid: sid // 3, n=3, by_sample=False, owner_of=lambda sid: 0)   # groups {0,1,2}, {3,4,5}, ...
+    stream = FinishedResults(lambda sid: sid // 3, n=3, by_sample=False, dest_of=lambda sid: 0)   # groups {0,1,2}, {3,4,5}, ...
     assert stream.take(_r(4, 0), now=0.0, ended=False) == []
     assert _ids(stream.take(_r(3, 5, 1), now=0.001, ended=False)) == [[4, 3, 5]]
     assert _ids(stream.take(_r(2), now=0.002, ended=True)) == [[0, 1, 2]]
 
 
 def test_finished_samples_go_out_a_groups_worth_at_a_time():
-    stream = FinishedResults(lambda sid: sid // 3, n=3, by_sample=True, owner_of=lambda sid: 0)
+    stream = FinishedResults(lambda sid: sid // 3, n=3, by_sample=True, dest_of=lambda sid: 0)
     assert stream.take(_r(7, 0), now=0.0, ended=False) == []               # two of three, from two groups
     assert _ids(stream.take(_r(4, 11), now=0.001, ended=False)) == [[7, 0, 4, 11]]
     assert stream.take([], now=0.002, ended=False) == []
 
 
 def test_a_straggler_waits_no_longer_than_the_hold_and_the_end_flushes_the_rest():
-    stream = FinishedResults(lambda sid: sid // 3, n=3, by_sample=True, owner_of=lambda sid: 0)
+    stream = FinishedResults(lambda sid: sid // 3, n=3, by_sample=True, dest_of=lambda sid: 0)
     assert stream.take(_r(5), now=10.0, ended=False) == []
     assert stream.take([], now=10.0 + SAMPLE_HOLD_S / 2, ended=False) == []
     assert _ids(stream.take([], now=10.0 + SAMPLE_HOLD_S * 1.01, ended=False)) == [[5]]
@@ -38,11 +38,12 @@ def test_a_straggler_waits_no_longer_than_the_hold_and_the_end_flushes_the_rest(
     assert stream.take([], now=20.002, ended=True) == []                   # nothing left: nothing sent
 
 
-def test_finished_samples_go_out_per_owner():
-    """A message goes to one replica's GenRM: each owner's samples fill their own batch and wait on their own clock."""
-    stream = FinishedResults(lambda sid: sid // 3, n=3, by_sample=True, owner_of=lambda sid: sid // 6)  # owners 0: 0-5, 1: 6-11
-    assert stream.take(_r(0, 7, 1, 8), now=0.0, ended=False) == []          # two of each owner
-    assert _ids(stream.take(_r(9), now=0.001, ended=False)) == [[7, 8, 9]]   # owner 1 has three
+def test_finished_samples_go_out_per_destination():
+    """A message goes to one GenRM rank: the samples bound for each rank fill their own batch and
+    wait on their own clock, whichever replicas they belong to."""
+    stream = FinishedResults(lambda sid: sid // 3, n=3, by_sample=True, dest_of=lambda sid: sid // 6)  # ranks 0: 0-5, 1: 6-11
+    assert stream.take(_r(0, 7, 1, 8), now=0.0, ended=False) == []          # two for each rank
+    assert _ids(stream.take(_r(9), now=0.001, ended=False)) == [[7, 8, 9]]   # rank 1 has three
     assert stream.take(_r(10), now=0.015, ended=False) == []
-    assert _ids(stream.take([], now=SAMPLE_HOLD_S * 1.01, ended=False)) == [[0, 1]]  # owner 0 waited its bound
+    assert _ids(stream.take([], now=SAMPLE_HOLD_S * 1.01, ended=False)) == [[0, 1]]  # rank 0's waited its bound
     assert _ids(stream.take([], now=0.016 + SAMPLE_HOLD_S, ended=False)) == [[10]]

@@ -252,6 +252,12 @@ class StreamSender:
         self._pending.append(isend_batch(self.comm, dest, tag, batch))
         self.peak_inflight = max(self.peak_inflight, len(self._pending))
 
+    def has_room(self) -> bool:
+        """Whether `send` would start at once (never waits): the sends already done are retired first."""
+        while self._pending and MPI.Request.Testall(self._pending[0][0]):
+            self._pending.pop(0)
+        return len(self._pending) < self.max_inflight
+
     def drain(self) -> None:
         while self._pending:
             self._wait_oldest()

@@ -111,8 +111,7 @@ class GenRMController(BaseController):
                 continue
             accepted: dict[int, list[SampleBatch]] = {}
             cap = max(w.keep * w.n for w in waves.values())  # one replica's share: what a call may hold
-            for batch, source in self.arrivals(cap):
-                owner = int(batch.owner[0])
+            for owner, batch, source in self.arrivals(cap):
                 if waves[owner].on_samples(source, len(batch)):
                     accepted.setdefault(owner, []).append(batch)
                 else:  # a straggler of a replica whose target is met: dropped unscored, its prompt is reused
@@ -120,18 +119,20 @@ class GenRMController(BaseController):
             if accepted:
                 self.score_arrived(accepted, waves, parts, sender)
 
-    def arrivals(self, cap: int) -> list[tuple[SampleBatch, int]]:
-        """The next batch of samples (waited for), and others already here while fewer than `cap` rows
-        are taken, when the reward cannot depend on how rows are grouped into judge calls (rule terms,
-        greedy verdicts): a GenRM behind a stream of finished groups then scores its backlog in one call,
-        not one call per group, and still holds no more than one replica's share (plus one batch) at once."""
+    def arrivals(self, cap: int) -> list[tuple[int, SampleBatch, int]]:
+        """(owner, samples, source rank) of the next message (waited for), and of others already here
+        while fewer than `cap` rows are taken, when the reward cannot depend on how rows are grouped
+        into judge calls (rule terms, greedy verdicts): a GenRM behind a stream of finished groups then
+        scores its backlog in one call, not one call per group, and still holds no more than one
+        replica's share (plus one message) at once. A message of finished samples may hold several
+        replicas' samples (`sched/finished.py`): each replica's come as their own part."""
         arrived = [recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES)]
         if self.judge is None or self.judge.temperature == 0:
             rows = len(arrived[0][0])
             while rows < cap and self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_SAMPLES):
                 arrived.append(recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES))
                 rows += len(arrived[-1][0])
-        return arrived
+        return [part for batch, source in arrived for part in _by_owner(batch, source)]
 
     def score_arrived(self, accepted: dict[int, list[SampleBatch]], waves: dict[int, ReplicaWave],
                       parts: dict[int, list[SampleBatch]], sender: StreamSender) -> None:
@@ -196,3 +197,11 @@ class GenRMController(BaseController):
     def close(self) -> None:
         if self.judge is not None:
             self.judge.shutdown()
+
+
+def _by_owner(batch: SampleBatch, source: int) -> list[tuple[int, SampleBatch, int]]:
+    """(owner, its samples, source) for each replica with samples in `batch`; the batch itself when it has one."""
+    owners = np.unique(batch.owner)
+    if len(owners) == 1:
+        return [(int(owners[0]), batch, source)]
+    return [(int(o), batch.select(np.flatnonzero(batch.owner == o)), source) for o in owners]

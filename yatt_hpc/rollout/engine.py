@@ -150,6 +150,9 @@ class BaseEngine(abc.ABC):
 
     _released: object = False
     _mid_update: bool = False
+    #: True when ``generate`` decodes on the caller's thread, reporting each result the step its request
+    #: finishes and calling ``on_step`` after every decode step; False when results come at the call's end
+    reports_while_decoding: bool = False
 
     @property
     def _alive(self) -> bool:
@@ -171,12 +174,17 @@ class BaseEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, requests: Sequence[GenerationRequest],
-                 on_result: Callable[[GenerationResult], None] | None = None) -> list[GenerationResult]:
+                 on_result: Callable[[GenerationResult], None] | None = None,
+                 on_step: Callable[[], None] | None = None) -> list[GenerationResult]:
         """Sample one response per request; results come back in request order. Blocks until done.
 
         ``on_result`` (called on the generating thread) gets each result as soon as its request is
         finished, so a caller can pass finished samples on while the rest still decode; every
-        result is reported exactly once, before ``generate`` returns."""
+        result is reported exactly once, before ``generate`` returns. ``on_step`` is called on the
+        generating thread after each decode step, by an engine that `reports_while_decoding`
+        (never by one that does not): the caller's periodic work (sending what is due, taking
+        messages) runs between steps, with no second thread taking the interpreter from the decode loop.
+        An exception raised by either ends the call and reaches the caller."""
 
     @abc.abstractmethod
     def abort(self) -> None:

@@ -79,6 +79,8 @@ COMPACT_FRACTION = 8
 class HFEngine(HFWeightUpdates, BaseEngine):
     """One transformers ``AutoModelForCausalLM`` replica (tp_size must be 1; use ``sglang`` for TP)."""
 
+    reports_while_decoding = True  # the decode loop runs on the caller's thread
+
     def __init__(
         self,
         model_dir: str | torch.nn.Module,
@@ -153,9 +155,11 @@ class HFEngine(HFWeightUpdates, BaseEngine):
     # -- generation ---------------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest],
-                 on_result: Callable[[GenerationResult], None] | None = None) -> list[GenerationResult]:
+                 on_result: Callable[[GenerationResult], None] | None = None,
+                 on_step: Callable[[], None] | None = None) -> list[GenerationResult]:
         """Micro-batches of up to max_batch_size requests (shortest prompts first); ``on_result`` gets
-        a row at the decode step it finishes (the micro-batch goes on decoding the others)."""
+        a row at the decode step it finishes (the micro-batch goes on decoding the others), ``on_step``
+        is called after every decode step."""
         self._check_ready()
         for request in requests:
             self._check_request(request)
@@ -168,7 +172,7 @@ class HFEngine(HFWeightUpdates, BaseEngine):
             results: list[GenerationResult | None] = [None] * len(requests)
             for start in range(0, len(order), self._max_batch_size):
                 chunk = order[start : start + self._max_batch_size]
-                for i, result in zip(chunk, self._generate_batch([requests[i] for i in chunk], on_result)):
+                for i, result in zip(chunk, self._generate_batch([requests[i] for i in chunk], on_result, on_step)):
                     results[i] = result
             return results  # type: ignore[return-value]
         finally:
@@ -184,7 +188,8 @@ class HFEngine(HFWeightUpdates, BaseEngine):
 
     @torch.inference_mode()
     def _generate_batch(self, requests: list[GenerationRequest],
-                        on_result: Callable[[GenerationResult], None] | None = None) -> list[GenerationResult]:
+                        on_result: Callable[[GenerationResult], None] | None = None,
+                        on_step: Callable[[], None] | None = None) -> list[GenerationResult]:
         device, rows = self._device, len(requests)
         input_ids, mask = self._left_pad([r.prompt_ids for r in requests])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -226,6 +231,8 @@ class HFEngine(HFWeightUpdates, BaseEngine):
             done[present] |= end_now
             if on_result is not None:
                 report(present[end_now])
+            if on_step is not None:
+                on_step()
             if bool(done.all()):
                 break
             input_ids = token[:, None]

@@ -181,9 +181,12 @@ class SGLangEngine(BaseEngine):
     # -- generation ---------------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[GenerationRequest],
-                 on_result: Callable[[GenerationResult], None] | None = None) -> list[GenerationResult]:
+                 on_result: Callable[[GenerationResult], None] | None = None,
+                 on_step: Callable[[], None] | None = None) -> list[GenerationResult]:
         """``on_result`` is called for every result once the whole call is done: the offline batch API
-        returns them together (SGLang's streaming API would report each request as it finishes)."""
+        returns them together (SGLang's streaming API would report each request as it finishes). The
+        decode loop runs in SGLang's scheduler process, so ``on_step`` is never called
+        (`reports_while_decoding` is False)."""
         self._check_ready()
         if not requests:
             return []
