@@ -215,10 +215,12 @@ class RolloutConfig(Section):
     and sends each prompt group the moment its last sample finishes, so scoring overlaps the long
     tail without cutting the engine's batch (which groups finish first depends on the responses:
     with over-dispatch, which prompts make a step then depends on timing too); `finished_samples`
-    does the same per sample (a group's worth of one replica's finished samples per message, or
-    those that waited 20 ms), so GenRM starts
-    with the first short response, not the first whole group; groups still reach the trainer whole.
-    Not with over-dispatch (which keeps the first groups to finish whole)."""
+    does the same per sample (a group's worth of finished samples bound for one GenRM rank per
+    message, or those that waited 20 ms), so GenRM starts with the first short response, not the
+    first whole group; groups still reach the trainer whole. Not with over-dispatch (which keeps the
+    first groups to finish whole). Both send from the engine's decode loop, between its steps; an
+    engine that reports only at the end of its call (SGLang's offline API) generates the whole wave
+    and sends it then."""
     stream_queue: int = Field(4, ge=1)
     """Chunks a rollout rank may have in flight to GenRM before it waits (backpressure)."""
     over_dispatch_ratio: float = Field(1.0, ge=1.0, le=4.0)
