@@ -121,3 +121,25 @@ def test_a_rollout_rank_serving_the_demo_never_imports_transformers():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_shedding_rows_of_the_cache_keeps_those_rows_and_goes_on_filling():
+    """The engine sheds finished rows: the kept rows' filled positions are copied (never the whole
+    capacity: a long-tail wave sheds ~20 times), and writing goes on where it stopped."""
+    from yatt_hpc.rollout.native_gpt2 import NativeCache
+
+    cache, full = NativeCache(layers=2, capacity=9), {0: [], 1: []}
+    for width in (4, 1):
+        for layer in (0, 1):
+            k, v = torch.randn(5, 3, width, 2), torch.randn(5, 3, width, 2)
+            cache.write(layer, k, v)
+            full[layer].append((k, v))
+        cache.filled += width
+    keep = torch.tensor([4, 1, 2])
+    cache.batch_select_indices(keep)
+    assert cache.keys[0].shape == (3, 3, 9, 2) and cache.filled == 5
+    k, v = torch.randn(3, 3, 1, 2), torch.randn(3, 3, 1, 2)
+    got_k, got_v = cache.write(1, k, v)
+    want_k = torch.cat([full[1][0][0][keep], full[1][1][0][keep], k], dim=2)
+    want_v = torch.cat([full[1][0][1][keep], full[1][1][1][keep], v], dim=2)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)

@@ -195,9 +195,18 @@ class NativeCache:
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
 
     def batch_select_indices(self, keep: torch.Tensor) -> None:
-        """Only the rows `keep` from now on (the engine sheds finished rows)."""
-        self.keys = [None if t is None else t[keep] for t in self.keys]
-        self.values = [None if t is None else t[keep] for t in self.values]
+        """Only the rows `keep` from now on (the engine sheds finished rows). Only the filled positions
+        are copied: a long-tail wave sheds ~20 times, and copying whole buffers of `capacity`
+        positions took a quarter of B4's rollout."""
+        self.keys = [self._rows(t, keep) for t in self.keys]
+        self.values = [self._rows(t, keep) for t in self.values]
+
+    def _rows(self, t: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor | None:
+        if t is None:
+            return None
+        out = t.new_empty((len(keep), *t.shape[1:]))
+        out[:, :, :self.filled] = t[:, :, :self.filled].index_select(0, keep)
+        return out
 
 
 class NativeGPT2(torch.nn.Module):
