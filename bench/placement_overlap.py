@@ -34,11 +34,13 @@ import numpy as np
 from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
 
 NOTES = ("Tiny random policy/judge with a tuned eos rate (lengths above); 4 ranks on 2 cores. What partial can "
-         "hide is at most colocate's reward phase (about a third of rollout+reward here). Finished groups leave "
-         "GenRM idle until the first whole group (~0.15-0.19 s into a ~0.5 s rollout) and then short of time; "
-         "finished samples start it with the first short responses, and what partial still loses is mostly its "
-         "rollout running ~0.02-0.04 s longer than colocate's: the streaming's sends during the engine call (as "
-         "much with GenRM scoring by rule only; one call without streaming is as fast as colocate's). Chunked streaming "
+         "hide is at most colocate's reward phase (about 40% of rollout+reward here). Finished groups leave "
+         "GenRM idle until the first whole group and then short of time; finished samples start it with the "
+         "first short responses. What partial still loses, ~0.04-0.06 s a step: colocate's rollout decodes on "
+         "both cores (two threads run this wave ~17% faster than one: 0.200 vs 0.240 s, engine alone), "
+         "partial's on its one; the judge's last call after the rollout ends (~10-15 ms: the samples that hit "
+         "the cap all finish at the last step); and the sends from the decode loop (~20 ms of its CPU a step, "
+         "~20 messages). Chunked streaming "
          "(--chunks, not run by make bench) pays for its chunks: each rollout.stream_chunk chunk is its own "
          "engine call that decodes until its own longest row, so a long-tail batch pays its tail once per "
          "chunk (stream_chunk 32: 1.78x colocate's rollout+reward, one run); a continuous-batching engine "
