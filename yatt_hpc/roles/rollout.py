@@ -144,7 +144,7 @@ class RolloutController(BaseController):
         while the sender has room (never waiting on GenRM: the rest waits for a later step), held
         samples go once their bound passes, and with over-dispatch the STOPs are taken every
         `STOP_POLL_S` (the engine aborted once every owner is stopped). No second thread takes the
-        interpreter from the decode loop (a helper thread woken per message cost it ~10% of B4's
+        interpreter from the decode loop (a helper thread woken per message cost it 5-10% of B4's
         rollout). An engine that reports only at the end of its call generates the chunk as without
         streaming. Returns the samples sent."""
         if not self.engine.reports_while_decoding:
