@@ -203,20 +203,36 @@ def test_select_writes_given_columns_as_they_are_and_refuses_a_length_without_it
         plain.select(rows, rewards=np.zeros(2, np.float32))
 
 
+_HAS_ROOM = """
+import numpy as np
+from mpi4py import MPI
+from yatt_hpc.batch import SampleBatch
+from yatt_hpc.comm.transport import TAG_SAMPLES, StreamSender, recv_batch
+
+n = 20000  # ~0.5 MB: above any eager limit, so the send completes only once received
+batch = SampleBatch(sample_id=np.arange(n, dtype=np.int64), prompt_id=np.arange(n, dtype=np.int64),
+                    owner=np.zeros(n, np.int32), prompt_len=np.full(n, 3, np.int32),
+                    prompt_tokens=np.arange(3 * n, dtype=np.int32))
+sender = StreamSender(MPI.COMM_SELF, max_inflight=1)
+seen = [sender.has_room()]
+sender.send(0, TAG_SAMPLES, batch)
+seen += [sender.has_room(), sender.has_room()]
+got, _ = recv_batch(MPI.COMM_SELF, 0, TAG_SAMPLES)
+seen += [sender.has_room(), bool(np.array_equal(got.prompt_tokens, batch.prompt_tokens))]
+print(seen)
+"""
+
+
 def test_a_stream_sender_has_room_again_once_its_oldest_send_is_received():
     """`has_room` never waits: a send not yet received (a rendezvous-size message to this same rank)
-    keeps a one-send queue full, and the receive frees it."""
-    from mpi4py import MPI
+    keeps a one-send queue full, and the receive frees it. In a fresh interpreter (a singleton MPI
+    process): the unit tests keep MPI out of pytest's own process."""
+    import subprocess
+    import sys
 
-    from yatt_hpc.comm.transport import TAG_SAMPLES, StreamSender, recv_batch
+    from tests.conftest import REPO, mpi_env
 
-    n = 20000  # ~0.5 MB: above any eager limit, so the send completes only once received
-    batch = SampleBatch(sample_id=np.arange(n, dtype=np.int64), prompt_id=np.arange(n, dtype=np.int64),
-                        owner=np.zeros(n, np.int32), prompt_len=np.full(n, 3, np.int32),
-                        prompt_tokens=np.arange(3 * n, dtype=np.int32))
-    sender = StreamSender(MPI.COMM_SELF, max_inflight=1)
-    assert sender.has_room()
-    sender.send(0, TAG_SAMPLES, batch)
-    assert not sender.has_room() and not sender.has_room()
-    got, _ = recv_batch(MPI.COMM_SELF, 0, TAG_SAMPLES)
-    assert sender.has_room() and np.array_equal(got.prompt_tokens, batch.prompt_tokens)
+    proc = subprocess.run([sys.executable, "-c", _HAS_ROOM], cwd=REPO, env=mpi_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split("\n")[-2] == "[True, False, False, True, True]", proc.stdout
