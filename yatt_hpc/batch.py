@@ -153,6 +153,14 @@ class SampleBatch:
                 np.take(getattr(self, name), gathers[LENGTH_OF[name]] if name in RAGGED else index, out=views[name])
         return _adopt(buffer, views.values())
 
+    def by_owner(self) -> list[tuple[int, SampleBatch]]:
+        """(owner, its samples) for each trainer replica with samples here, in owner order; the batch
+        itself when it holds one replica's samples."""
+        owners = np.unique(self.owner)
+        if len(owners) == 1:
+            return [(int(owners[0]), self)]
+        return [(int(o), self.select(np.flatnonzero(self.owner == o))) for o in owners]
+
     def sorted_by_id(self) -> SampleBatch:
         """Samples in sample-id order: downstream math must not depend on message arrival order."""
         return self.select(np.argsort(self.sample_id, kind="stable"))

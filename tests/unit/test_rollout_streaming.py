@@ -142,12 +142,11 @@ def test_finished_samples_of_two_replicas_scored_by_one_genrm_rank_share_a_messa
     assert work.sent[0] == work.sent[1] == 4
 
 
-def test_a_genrm_takes_a_message_of_two_replicas_as_one_part_per_replica():
-    from yatt_hpc.roles.genrm import _by_owner
-
+def test_a_message_of_two_replicas_splits_into_one_part_per_replica():
+    """What GenRM does with a finished_samples message (`arrivals`) and the rollout with a chunk (`send_parts`)."""
     batch = _prompts(3)
     batch.owner[:] = [2, 5, 2, 2, 5, 2]
-    parts = _by_owner(batch, source=7)
-    assert [(o, p.sample_id.tolist(), s) for o, p, s in parts] == [(2, [0, 2, 3, 5], 7), (5, [1, 4], 7)]
+    parts = batch.by_owner()
+    assert [(o, p.sample_id.tolist()) for o, p in parts] == [(2, [0, 2, 3, 5]), (5, [1, 4])]
     batch.owner[:] = 5
-    assert _by_owner(batch, 7)[0][1] is batch  # one replica: the message as it came
+    assert batch.by_owner()[0][1] is batch  # one replica: the message as it came

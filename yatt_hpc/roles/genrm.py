@@ -132,7 +132,7 @@ class GenRMController(BaseController):
             while rows < cap and self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_SAMPLES):
                 arrived.append(recv_batch(self.world.comm, MPI.ANY_SOURCE, TAG_SAMPLES))
                 rows += len(arrived[-1][0])
-        return [part for batch, source in arrived for part in _by_owner(batch, source)]
+        return [(owner, part, source) for batch, source in arrived for owner, part in batch.by_owner()]
 
     def score_arrived(self, accepted: dict[int, list[SampleBatch]], waves: dict[int, ReplicaWave],
                       parts: dict[int, list[SampleBatch]], sender: StreamSender) -> None:
@@ -197,11 +197,3 @@ class GenRMController(BaseController):
     def close(self) -> None:
         if self.judge is not None:
             self.judge.shutdown()
-
-
-def _by_owner(batch: SampleBatch, source: int) -> list[tuple[int, SampleBatch, int]]:
-    """(owner, its samples, source) for each replica with samples in `batch`; the batch itself when it has one."""
-    owners = np.unique(batch.owner)
-    if len(owners) == 1:
-        return [(int(owners[0]), batch, source)]
-    return [(int(o), batch.select(np.flatnonzero(batch.owner == o)), source) for o in owners]

@@ -127,12 +127,11 @@ class RolloutController(BaseController):
     def send_parts(self, done: SampleBatch, work: RolloutWork, sender: StreamSender) -> int:
         """Each owner's generated samples to its GenRM rank, unless its target was met meanwhile."""
         sent = 0
-        for owner in np.unique(done.owner):
-            if int(owner) in work.stopped:  # its target was met while this chunk ran: dropped
+        for owner, part in done.by_owner():
+            if owner in work.stopped:  # its target was met while this chunk ran: dropped
                 continue
-            part = done.select(np.flatnonzero(done.owner == owner))
-            sender.send(self.genrm_of(int(owner)), TAG_SAMPLES, part)
-            work.mark_sent(int(owner), len(part))
+            sender.send(self.genrm_of(owner), TAG_SAMPLES, part)
+            work.mark_sent(owner, len(part))
             sent += len(part)
         return sent
 
