@@ -17,7 +17,8 @@ finishes, so scoring overlaps generation on the other core; with --chunks, parti
 chunks of `rollout.stream_chunk` samples. Prints a rich table, writes bench/results/placement_overlap.json.
 Target (issue #16, restated so it can be met): partial saves >= 80% of what perfect overlap could
 save, the shorter of colocate's rollout and reward phases (saved = colocate's rollout+reward minus
-partial's, run by run); the % shorter than colocate is printed too.
+partial's, step by step: the same step of each mode generates the same samples; per run the median
+over its steps, then the median over runs); the % shorter than colocate is printed too.
 """
 from __future__ import annotations
 
@@ -33,18 +34,19 @@ from pathlib import Path
 import numpy as np
 from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
 
-NOTES = ("Tiny random policy/judge with a tuned eos rate (lengths above); 4 ranks on 2 cores. What partial can "
-         "hide is at most colocate's reward phase (about 40% of rollout+reward here). Finished groups leave "
-         "GenRM idle until the first whole group and then short of time; finished samples start it with the "
-         "first short responses. What partial still loses, ~0.04-0.06 s a step: colocate's rollout decodes on "
-         "both cores (two threads run this wave ~17% faster than one: 0.200 vs 0.240 s, engine alone), "
-         "partial's on its one; the judge's last call after the rollout ends (~10-15 ms: the samples that hit "
-         "the cap all finish at the last step); and the sends from the decode loop (~20 ms of its CPU a step, "
-         "~20 messages). Chunked streaming "
-         "(--chunks, not run by make bench) pays for its chunks: each rollout.stream_chunk chunk is its own "
-         "engine call that decodes until its own longest row, so a long-tail batch pays its tail once per "
-         "chunk (stream_chunk 32: 1.78x colocate's rollout+reward, one run); a continuous-batching engine "
-         "(SGLang) does not have that cost.")
+NOTES = ("Tiny random policy/judge with a tuned eos rate (lengths above); 4 ranks on 2 cores. saved/ideal is "
+         "paired step by step (each step generates the same samples in both modes; the median over steps). What "
+         "partial can hide is at most colocate's reward phase (about 40% of rollout+reward here). Finished groups "
+         "leave GenRM idle until the first whole group and then short of time; finished samples start it with "
+         "the first short responses. What partial still loses, ~0.05-0.07 s a step: the core split (colocate's "
+         "rollout decodes on both cores: its engine call 0.28 s against partial's 0.31-0.32 s on one core, "
+         "sends left out), the sends from the decode loop (~18 ms a step: ~22 messages, of which filling them "
+         "8.5 ms, Isend 3 ms), and the judge's calls after the rollout ends (~14 ms). Lending the idle judge's "
+         "core to the rollout's thread team did not pay (measured twice: the team stalls whenever the judge "
+         "wakes). Chunked streaming (--chunks, not run by make bench) pays for its chunks: each "
+         "rollout.stream_chunk chunk is its own engine call that decodes until its own longest row, so a "
+         "long-tail batch pays its tail once per chunk (stream_chunk 32: 1.78x colocate's rollout+reward, one "
+         "run); a continuous-batching engine (SGLang) does not have that cost.")
 
 
 def build_models(root: Path, eos_rate: float) -> dict[str, str]:
@@ -100,14 +102,24 @@ def run_once(mode: str, chunk: int | str, models: dict, args, root: Path, i: int
     spans, balance, phases = step_spans(run_dir)
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = [s for s in sorted(spans) if s >= 1]  # step 0 pays for first-call warm-ups
-    out = {"mode": mode, "chunk": chunk, "wall_s": wall, "span_s": [spans[s] for s in measured],
+    out = {"mode": mode, "chunk": chunk, "wall_s": wall, "steps": measured, "span_s": [spans[s] for s in measured],
            "trainer_balance_s": [balance.get(s, 0.0) for s in measured],
-           "rollout_phase_s": [phases[s][0] for s in measured if s in phases],
-           "reward_phase_s": [phases[s][1] for s in measured if s in phases],
+           "rollout_phase_s": [phases[s][0] for s in measured],
+           "reward_phase_s": [phases[s][1] for s in measured],
            "step_s": [m["time/step"] for m in metrics[1:]],
            "response_len_mean": [m["rollout/response_len_mean"] for m in metrics]}
     shutil.rmtree(run_dir, ignore_errors=True)
     return out
+
+
+def paired(run: dict, colocate: dict, measure) -> float:
+    """Median over the steps of `measure(span, colocate's span, ideal)` taken step by step: a step
+    generates the same samples in every mode (same seeds, same updates: the response lengths agree),
+    while steps differ by up to 30% in length, so only the same step compares. (Comparing each run's
+    median step instead paired unlike steps and read ~0.1 higher saved/ideal on the same runs.)"""
+    assert run["steps"] == colocate["steps"], (run["steps"], colocate["steps"])
+    ideal = np.minimum(colocate["rollout_phase_s"], colocate["reward_phase_s"])
+    return float(np.median([measure(p, c, i) for p, c, i in zip(run["span_s"], colocate["span_s"], ideal)]))
 
 
 def length_profile(policy: str, max_new_tokens: int) -> dict:
@@ -126,7 +138,7 @@ def length_profile(policy: str, max_new_tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=4, help="runs per mode, taking turns (one run's saved/ideal ranged 0.59-0.82)")
+    ap.add_argument("--repeats", type=int, default=4, help="runs per mode, taking turns (one run's saved/ideal ranged 0.65-0.87)")
     ap.add_argument("--steps", type=int, default=6,
                     help="steps per run; the first is dropped as warm-up (a median over 3 steps moved saved/ideal ~0.1)")
     ap.add_argument("--chunks", type=int, nargs="*", default=[],
@@ -153,8 +165,7 @@ def main() -> None:
     step = {v: spread([np.median(r["step_s"]) for r in runs[v]]) for v in variants}
     balance = {v: spread([np.median(r["trainer_balance_s"]) for r in runs[v]]) for v in variants}
     base = variants[0]
-    ratio = {v: spread([np.median(a["span_s"]) / np.median(b["span_s"]) for a, b in zip(runs[v], runs[base])])
-             for v in variants[1:]}
+    ratio = {v: spread([paired(a, b, lambda p, c, i: p / c) for a, b in zip(runs[v], runs[base])]) for v in variants[1:]}
     table, rows = [], []
     for v in variants:
         r = ratio.get(v)
@@ -171,10 +182,10 @@ def main() -> None:
                 f"(cap {args.max_new_tokens}), {args.repeats} runs x {args.steps - 1} steps",
                 ["placement", "rollout+reward median [min-max]", "shorter than colocate", "whole step",
                  "trainer balance"], table)
-    # what perfect overlap could save: the shorter of colocate's rollout and reward phases (run by run)
-    ideal = [min(np.median(r["rollout_phase_s"]), np.median(r["reward_phase_s"])) for r in runs[base]]
-    saved_of_ideal = {v: spread([(np.median(b["span_s"]) - np.median(a["span_s"])) / i
-                                 for a, b, i in zip(runs[v], runs[base], ideal)]) for v in variants[1:]}
+    # what perfect overlap could save: the shorter of colocate's rollout and reward phases (step by step)
+    ideal = [np.median(np.minimum(r["rollout_phase_s"], r["reward_phase_s"])) for r in runs[base]]
+    saved_of_ideal = {v: spread([paired(a, b, lambda p, c, i: (c - p) / i) for a, b in zip(runs[v], runs[base])])
+                      for v in variants[1:]}
     rows.append(row("colocate: what perfect overlap could save (shorter of its rollout and reward phases)",
                     spread(ideal), " s", 2))
     rows += [row(f"{label[v]}: saved / ideal", saved_of_ideal[v]) for v in variants[1:]]

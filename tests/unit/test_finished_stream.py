@@ -47,3 +47,24 @@ def test_finished_samples_go_out_per_destination():
     assert stream.take(_r(10), now=0.015, ended=False) == []
     assert _ids(stream.take([], now=SAMPLE_HOLD_S * 1.01, ended=False)) == [[0, 1]]  # rank 0's waited its bound
     assert _ids(stream.take([], now=0.016 + SAMPLE_HOLD_S, ended=False)) == [[10]]
+
+
+def test_samples_go_at_once_when_the_rest_of_the_wave_cannot_fill_a_message():
+    """With what is still to come for a GenRM rank, a held batch could no longer reach a group's
+    worth: waiting out the hold would only keep the judge idle during the long tail."""
+    stream = FinishedResults(lambda sid: sid // 3, n=3, by_sample=True, dest_of=lambda sid: sid // 6,
+                             expected={0: 6, 1: 5})
+    assert stream.take(_r(0, 1), now=0.0, ended=False) == []                 # 4 more to come for rank 0: may fill
+    assert _ids(stream.take(_r(2), now=0.001, ended=False)) == [[0, 1, 2]]  # a group's worth, as before
+    assert stream.take(_r(3), now=0.002, ended=False) == []                  # 1 held + 2 to come: may still fill
+    assert _ids(stream.take(_r(4, 5), now=0.003, ended=False)) == [[3, 4, 5]]
+    assert stream.take(_r(6, 7), now=0.004, ended=False) == []               # rank 1: 2 held + 3 to come
+    assert _ids(stream.take(_r(8), now=0.005, ended=False)) == [[6, 7, 8]]
+    assert _ids(stream.take(_r(9), now=0.006, ended=False)) == [[9]]        # 1 held + 1 to come: cannot fill
+    assert _ids(stream.take(_r(10), now=0.007, ended=False)) == [[10]]      # the last one: at once
+
+
+def test_without_expected_counts_the_hold_applies_to_the_end():
+    stream = FinishedResults(lambda sid: sid // 3, n=3, by_sample=True, dest_of=lambda sid: 0, expected={1: 1})
+    assert stream.take(_r(5), now=0.0, ended=False) == []                    # rank 0's count unknown: held
+    assert _ids(stream.take([], now=SAMPLE_HOLD_S * 1.01, ended=False)) == [[5]]

@@ -136,17 +136,22 @@ class GenRMController(BaseController):
 
     def score_arrived(self, accepted: dict[int, list[SampleBatch]], waves: dict[int, ReplicaWave],
                       parts: dict[int, list[SampleBatch]], sender: StreamSender) -> None:
-        """Score the accepted samples in one call, then hand each replica its share."""
-        chosen = []
+        """Score the accepted samples in one call, then hand each replica its share. The arrivals are
+        copied once (off the receive buffers) and the samples to score picked in sample-id order in
+        one more gather: on the last call of a wave, after the rollout ended, each copy is waited for."""
+        arrived = SampleBatch.concat([b for batches in accepted.values() for b in batches])
+        keep, start = [], 0
         for owner, batches in accepted.items():
-            batch = SampleBatch.concat(batches)
-            wanted = waves[owner].wanted(batch.prompt_id)  # never score more groups than the target needs
-            self.stats.add("unused", len(batch) - len(wanted))
-            chosen.append(batch.select(wanted))
-        batch = SampleBatch.concat(chosen)
+            count = sum(len(b) for b in batches)
+            wanted = waves[owner].wanted(arrived.prompt_id[start:start + count])  # never more groups than needed
+            self.stats.add("unused", count - len(wanted))
+            keep.append(start + wanted)
+            start += count
+        keep = np.concatenate(keep)
+        batch = arrived.select(keep[np.argsort(arrived.sample_id[keep], kind="stable")])  # sample-id order
         self.stats.hold(len(batch))
         with self.stats.phase("reward"):
-            scored = self.score(batch.sorted_by_id())
+            scored = self.score(batch)
         self.stats.add("scored", len(scored))
         for owner in accepted:
             mine = scored.select(np.flatnonzero(scored.owner == owner))

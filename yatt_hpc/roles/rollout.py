@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -153,7 +154,8 @@ class RolloutController(BaseController):
         genrm_of = {owner: self.genrm_of(owner) for owner in owners}
         stream = FinishedResults(lambda sid: int(chunk.prompt_id[row_of[sid]]), self.cfg.rollout.samples_per_prompt,
                                  by_sample=self.streaming == "finished_samples",
-                                 dest_of=lambda sid: genrm_of[int(chunk.owner[row_of[sid]])])
+                                 dest_of=lambda sid: genrm_of[int(chunk.owner[row_of[sid]])],
+                                 expected=Counter(genrm_of[int(o)] for o in chunk.owner))
         due: list[list[GenerationResult]] = []  # due to go out, waiting for room in the sender
         sent, next_poll = [0], [0.0]
 
