@@ -195,6 +195,11 @@ def main() -> None:
     verdict = (f"best partial ({label[best]}) saves {100 * got:.0f}% of what perfect overlap could save "
                f"({np.median(ideal):.2f} s per step) and is {100 * (1 - ratio[best]['median']):.0f}% shorter than "
                f"colocate in rollout+reward (target saved/ideal >= 80%: {'met' if met else 'NOT met'})")
+    # the pairing rests on each step generating the same samples in every mode: say so when it did not
+    differ = sorted({label[v] for v in variants for a, b in zip(runs[v], runs[base])
+                     if not np.allclose(a["response_len_mean"], b["response_len_mean"])})
+    verdict += (f"; steps paired, but response lengths differed from colocate's in {', '.join(differ)}" if differ
+                else "; steps paired (the same response lengths in every mode)")
     write_report("placement_overlap", question="B4 rollout+reward phase time, long-tail response lengths",
                  target="partial saves >= 80% of what perfect overlap could (issue #16)", met=met, verdict=verdict, rows=rows,
                  raw={"args": vars(args), "lengths_step1": lengths,

@@ -150,7 +150,7 @@ class SampleBatch:
             if name in given:
                 views[name][:] = given[name]
             else:
-                np.take(getattr(self, name), gathers[LENGTH_OF[name]] if name in RAGGED else index, out=views[name])
+                getattr(self, name).take(gathers[LENGTH_OF[name]] if name in RAGGED else index, out=views[name])
         return _adopt(buffer, views.values())
 
     def by_owner(self) -> list[tuple[int, SampleBatch]]:
@@ -192,13 +192,17 @@ def _check_given(given: dict[str, np.ndarray]) -> None:
 def _ragged_positions(lengths: np.ndarray, index: np.ndarray) -> np.ndarray:
     """Flat positions, in a ragged column laid out by `lengths`, of the elements of the samples at
     `index`, in that order: one vectorised gather instead of a split and a concatenate per sample."""
-    picked = lengths[index].astype(np.int64)
+    picked = lengths.take(index).astype(np.int64)  # (methods, not np.* wrappers: a stream selects per message)
     total = int(picked.sum())
     if not total:
-        return np.zeros(0, np.int64)
-    starts = np.cumsum(lengths, dtype=np.int64) - lengths  # where each sample's elements begin
+        return _NO_POSITIONS
+    starts = lengths.cumsum(dtype=np.int64) - lengths  # where each sample's elements begin
     # position k of the output belongs to the j-th picked sample: starts[index[j]] + (k - its output start)
-    return np.arange(total, dtype=np.int64) + np.repeat(starts[index] - (np.cumsum(picked) - picked), picked)
+    return np.arange(total, dtype=np.int64) + (starts.take(index) - (picked.cumsum() - picked)).repeat(picked)
+
+
+_NO_POSITIONS = np.zeros(0, np.int64)
+_NO_POSITIONS.flags.writeable = False
 
 
 def image_columns(images: list[list[bytes]], n: int) -> dict[str, np.ndarray]:

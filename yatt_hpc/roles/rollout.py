@@ -162,12 +162,13 @@ class RolloutController(BaseController):
         def send(results: list[GenerationResult]) -> None:
             """`results` (all bound for one GenRM rank: `FinishedResults` keeps destinations apart) to
             that rank in one message, less those of a replica that was stopped."""
-            rows = [i for i in sorted(row_of[r.sample_id] for r in results) if int(chunk.owner[i]) not in work.stopped]
+            owner_of = {i: int(chunk.owner[i]) for i in sorted(row_of[r.sample_id] for r in results)}
+            rows = [i for i, owner in owner_of.items() if owner not in work.stopped]
             if rows:
                 part = self.fill(chunk, {r.sample_id: r for r in results}, rows)
-                sender.send(genrm_of[int(part.owner[0])], TAG_SAMPLES, part)
-                for owner, count in zip(*np.unique(part.owner, return_counts=True)):
-                    work.mark_sent(int(owner), int(count))
+                sender.send(genrm_of[owner_of[rows[0]]], TAG_SAMPLES, part)
+                for owner, count in Counter(owner_of[i] for i in rows).items():  # (np.unique: ~80 us a message here)
+                    work.mark_sent(owner, count)
                 sent[0] += len(part)
 
         def flush(taken: list[list[GenerationResult]], ended: bool = False) -> None:
