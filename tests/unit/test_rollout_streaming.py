@@ -68,6 +68,31 @@ class _EngineOneGroupPerStep:
         return out
 
 
+class _EngineFinishingAt:
+    """Finishes the requests at the given positions at each decode step (`steps`: one list per step)."""
+
+    reports_while_decoding = True
+
+    def __init__(self, steps):
+        self.plan, self.steps = steps, 0
+
+    def generate(self, requests, on_result=None, on_step=None):
+        out = {}
+        for rows in self.plan:
+            for i in rows:
+                r = requests[i]
+                out[i] = GenerationResult(sample_id=r.sample_id, prompt_ids=np.asarray(r.prompt_ids, np.int32),
+                                          response_ids=np.array([5, 6], np.int32), logprobs=np.zeros(2, np.float32),
+                                          finish_reason="stop", weight_version=0)
+                on_result(out[i])
+            self.steps += 1
+            on_step()
+        return [out[i] for i in range(len(requests))]
+
+    def abort(self):
+        pass
+
+
 class _SenderRoomAfter:
     """Has room only from decode step `after` of `engine` on; records (step, sample ids) of each send."""
 
@@ -81,8 +106,8 @@ class _SenderRoomAfter:
         self.sent.append((self.engine.steps, batch.sample_id.tolist(), batch.response_len.tolist()))
 
 
-def _controller(streaming: str, engine):
-    cfg = load_config(REPO / "configs/partial_cpu.yaml", [f"rollout.streaming={streaming}", "rollout.samples_per_prompt=2"])
+def _controller(streaming: str, engine, n: int = 2):
+    cfg = load_config(REPO / "configs/partial_cpu.yaml", [f"rollout.streaming={streaming}", f"rollout.samples_per_prompt={n}"])
     ctl = object.__new__(RolloutController)
     ctl.cfg, ctl.streaming, ctl.handshake = cfg, streaming, False
     ctl.stats, ctl.engine = RankStats("rollout"), engine
@@ -97,7 +122,7 @@ def _prompts(groups: int) -> SampleBatch:
                        prompt_tokens=np.arange(3 * n, dtype=np.int32) % 7 + 3)
 
 
-@pytest.mark.parametrize("after, steps_sent", [(3, [3, 3, 3, 3, 4]), (99, [5, 5, 5, 5, 5])])
+@pytest.mark.parametrize("after, steps_sent", [(3, [3, 3, 3, 4, 5]), (99, [5, 5, 5, 5, 5])])
 def test_finished_groups_wait_for_room_in_the_sender_without_holding_the_engine(after, steps_sent):
     """With no room in the sender (GenRM busy), the engine goes on decoding; the due groups go out,
     in order and each once, at the first step with room, or, if none comes, when the call ends."""
@@ -150,3 +175,16 @@ def test_a_message_of_two_replicas_splits_into_one_part_per_replica():
     assert [(o, p.sample_id.tolist()) for o, p in parts] == [(2, [0, 2, 3, 5]), (5, [1, 4])]
     batch.owner[:] = 5
     assert batch.by_owner()[0][1] is batch  # one replica: the message as it came
+
+
+def test_finished_samples_that_finish_at_one_decode_step_go_in_one_message():
+    """A long tail's last rows finish together (the capped ones at the last step): they go to the judge
+    as one message, not one each (each its own judge call after the rollout ended)."""
+    engine = _EngineFinishingAt([[0, 1, 2, 3, 4, 5], [], [6, 7]])
+    ctl = _controller("finished_samples", engine, n=4)
+    sender = _SenderRoomAfter(engine, 0)
+    prompts = _prompts(4)
+    prompts.prompt_id[:] = np.repeat([0, 1], 4)  # 2 groups of n = 4
+    work = RolloutWork(prompts.owner, prompts.prompt_id, chunk_groups=2)
+    assert ctl.generate_streaming(prompts, work, sender) == 8
+    assert [(step, ids) for step, ids, _ in sender.sent] == [(1, [0, 1, 2, 3, 4, 5]), (3, [6, 7])]

@@ -140,7 +140,9 @@ class RolloutController(BaseController):
         """`rollout.streaming=finished_groups`: one engine call for the chunk, each prompt group sent to
         its GenRM rank as soon as the engine reports its last sample finished; `finished_samples`: each
         owner's finished samples, a group's worth at a time (`sched/finished.py`). It all runs on the
-        engine's own thread, between its decode steps (`on_result`, `on_step`): what is due goes out
+        engine's own thread, between its decode steps (`on_step` takes the rows `on_result` reported at
+        that step together: rows that finish at one step go in one message, so the judge scores them in
+        one call; the capped rows of a long tail all finish at the last step): what is due goes out
         while the sender has room (never waiting on GenRM: the rest waits for a later step), held
         samples go once their bound passes, and with over-dispatch the STOPs are taken every
         `STOP_POLL_S` (the engine aborted once every owner is stopped). No second thread takes the
@@ -176,16 +178,18 @@ class RolloutController(BaseController):
             while due and (ended or sender.has_room()):
                 send(due.pop(0))
 
+        finished: list[GenerationResult] = []  # reported since the last decode step
+
         def on_step() -> None:
             now = time.monotonic()
-            flush(stream.take([], now, False))  # held samples past their bound
+            flush(stream.take(finished, now, False))  # this step's finished rows at once, and held ones past their bound
+            finished.clear()
             if self.handshake and now >= next_poll[0]:
                 next_poll[0] = now + STOP_POLL_S
                 self.stops.poll(lambda owner: self.stop_owner(work, owner), owners, work.stopped)
 
-        self.engine.generate(self.requests(chunk), on_result=lambda result: flush(stream.take([result], time.monotonic(), False)),
-                             on_step=on_step)
-        flush(stream.take([], time.monotonic(), True), ended=True)
+        self.engine.generate(self.requests(chunk), on_result=finished.append, on_step=on_step)
+        flush(stream.take(finished, time.monotonic(), True), ended=True)
         return sent[0]
 
     def genrm_of(self, owner: int) -> int:

@@ -17,8 +17,10 @@ scores (one batch and one hold clock per destination: a batch per replica double
 last two went to the judge as two calls after the rollout ended).
 A message per sample cost the engine's decode loop ~50 ms of a 0.5 s B4 rollout (the sender shares the engine's
 process); the bound keeps the long tail's stragglers from waiting for company. The rollout rank
-feeds `take` on the engine's thread as each result comes and asks it again after every decode
-step (`roles/rollout.py`), so a held sample waits at most SAMPLE_HOLD_S plus one decode step.
+feeds `take` on the engine's thread once per decode step with the results that finished at it
+(`roles/rollout.py`): rows finishing together go in one message (fed one by one, the last capped
+rows of a wave went as one message each, each its own judge call after the rollout ended), and a
+held sample waits at most SAMPLE_HOLD_S plus one decode step.
 """
 from __future__ import annotations
 
