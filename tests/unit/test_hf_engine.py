@@ -132,6 +132,23 @@ def test_finished_rows_leave_the_micro_batch_and_the_others_sample_as_alone(engi
         assert got.finish_reason == alone.finish_reason
 
 
+def test_requests_sharing_a_prompt_prefill_it_once_and_each_samples_as_alone(engine, monkeypatch):
+    # A prompt group's n requests (same tokens, own seeds) are prefilled as one row, then decode as n rows.
+    prompts = [np.array([3, 4, 5]), np.array([6, 7, 8])]
+    requests = [GenerationRequest(sample_id=i, prompt_ids=prompts[i % 2].copy(), max_new_tokens=8, seed=70 + i)
+                for i in range(8)]
+    shapes, forward = [], engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, *a, **kw: shapes.append(tuple(ids.shape)) or forward(ids, *a, **kw))
+    together = engine.generate(requests)
+    assert shapes[:2] == [(2, 3), (8, 1)], shapes
+    monkeypatch.undo()
+    assert len({tuple(r.response_ids) for r in together}) > 2  # the seeds, not the shared prefill, decide
+    for request, got in zip(requests, together):
+        alone = engine.generate([request])[0]
+        np.testing.assert_array_equal(got.response_ids, alone.response_ids)
+        np.testing.assert_allclose(got.logprobs, alone.logprobs, rtol=0, atol=1e-6)
+
+
 def test_different_seeds_give_different_samples(engine):
     prompt = [5, 6, 7]
     results = engine.generate(

@@ -74,6 +74,23 @@ def test_a_sample_does_not_depend_on_its_batch_and_the_image_changes_it(setup):
     assert not np.allclose(other.logprobs[:n], alone.logprobs[:n])  # same seed, other image: other scores
 
 
+def test_a_group_sharing_prompt_and_image_is_prefilled_once_and_each_samples_as_alone(setup, monkeypatch):
+    """Same tokens with another image is another prompt: three requests of one image share a prefill
+    row, the fourth (other image) gets its own; every request samples what it samples alone."""
+    _, engine, tok, proc = setup
+    group = [_request(tok, proc, 20 + s, (_png(1),), temperature=1.0, seed=s) for s in range(3)] + \
+        [_request(tok, proc, 23, (_png(2),), temperature=1.0, seed=0)]
+    rows, forward = [], engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, *a, **kw: rows.append(len(ids)) or forward(ids, *a, **kw))
+    together = engine.generate(group)
+    assert rows[:2] == [2, 4], rows
+    monkeypatch.undo()
+    for request, got in zip(group, together):
+        alone = engine.generate([request])[0]
+        assert np.array_equal(got.response_ids, alone.response_ids), request.sample_id
+        assert np.abs(got.logprobs - alone.logprobs).max() <= 1e-5, request.sample_id
+
+
 def test_images_for_a_text_model_and_wrong_pad_counts_are_refused(setup, tmp_path):
     from yatt_hpc.demo.tiny_models import char_gpt2, save_char_model
 

@@ -28,6 +28,9 @@ new tokens, tiny GPT-2 h32/L2/V64: 36 ms = 28k tok/s vs 47 ms for ``model.genera
   it computes: a long-tail batch (128 rows, P(eos) 0.02 per token, lengths p50 26 / max 256, a 64-wide
   GPT-2) took 1.32 s when finished rows rode along to the end and takes 0.82 s (2 threads; 1 thread
   1.61 -> 0.85 s). A row's tokens are still those it draws alone (the test holds them equal).
+* A prompt group's n requests share their prompt: the prefill computes each distinct prompt (tokens
+  and images) once, and its KV cache rows are then repeated, one per request (`_distinct_prompts`).
+  B4's wave (16 prompts x 8 samples): first decode step 18 -> 4.5 ms on one thread, 12 -> 4 ms on two.
 * A vision-language checkpoint (Qwen2-VL) loads as ``AutoModelForImageTextToText``. A request's encoded
   images are decoded once per generate call (the n requests of a group share them) into pixel values
   by ``vision/processor.py``; the prefill gets them with their grids and the M-RoPE positions of each
@@ -191,11 +194,12 @@ class HFEngine(HFWeightUpdates, BaseEngine):
                         on_result: Callable[[GenerationResult], None] | None = None,
                         on_step: Callable[[], None] | None = None) -> list[GenerationResult]:
         device, rows = self._device, len(requests)
-        input_ids, mask = self._left_pad([r.prompt_ids for r in requests])
+        distinct, repeats = _distinct_prompts(requests)  # a group's n requests share one prompt: prefilled once
+        input_ids, mask = self._left_pad([requests[i].prompt_ids for i in distinct])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         prefill = {}
         if self._vision is not None:
-            positions, prefill = self._vision_prefill(requests, input_ids, mask)
+            positions, prefill = self._vision_prefill([requests[i] for i in distinct], input_ids, mask)
         temperature, top_p = (torch.tensor([getattr(r, k) for r in requests], dtype=torch.float32, device=device)
                               for k in ("temperature", "top_p"))
         limit = torch.tensor([r.max_new_tokens for r in requests], device=device)
@@ -220,6 +224,8 @@ class HFEngine(HFWeightUpdates, BaseEngine):
             if self._abort.is_set():
                 break
             logits = self._forward(input_ids, mask, positions, cache, prefill if step == 0 else {})
+            if step == 0 and repeats is not None:  # every request its own row from here on
+                positions, logits, mask = _shed(repeats.to(device), cache, positions, logits, mask)
             ACTIVITY.progress()  # one decode step: the health monitor sees a long generation move
             token, logprob = sample_next_tokens(logits, temperature, top_p, uniforms[:, step])
             tokens[present, step], logprobs[present, step] = token, logprob
@@ -365,9 +371,22 @@ class HFEngine(HFWeightUpdates, BaseEngine):
             )
 
 
+def _distinct_prompts(requests: Sequence[GenerationRequest]) -> tuple[list[int], torch.Tensor | None]:
+    """The first request of each distinct prompt (tokens and images) and, when some repeat, the row of
+    the distinct prompts each request takes (None when all differ)."""
+    first: dict[tuple, int] = {}
+    rows = [first.setdefault((np.asarray(r.prompt_ids, np.int64).tobytes(), r.images), len(first)) for r in requests]
+    if len(first) == len(requests):
+        return list(range(len(requests))), None
+    distinct = [0] * len(first)
+    for i, row in reversed(list(enumerate(rows))):
+        distinct[row] = i
+    return distinct, torch.tensor(rows, dtype=torch.long)
+
+
 def _shed(keep: torch.Tensor, cache, positions: torch.Tensor, *per_row: torch.Tensor) -> tuple:
-    """Only the rows `keep` of a micro-batch: its KV cache, its positions ([B, W], or M-RoPE's [3, B, W])
-    and each per-row tensor (batch first)."""
+    """Only the rows `keep` of a micro-batch (repeated: the prefill's rows expanded to one per request):
+    its KV cache, its positions ([B, W], or M-RoPE's [3, B, W]) and each per-row tensor (batch first)."""
     cache.batch_select_indices(keep)
     return (positions.index_select(positions.dim() - 2, keep), *(t[keep] for t in per_row))
 
