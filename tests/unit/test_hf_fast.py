@@ -63,15 +63,16 @@ def test_a_preallocated_layer_holds_what_a_dynamic_layer_holds_and_refuses_overf
         ours.update(torch.randn(2, 3, 1, 5), torch.randn(2, 3, 1, 5))
 
 
-def test_selecting_rows_of_a_preallocated_layer_keeps_those_rows_and_goes_on_filling():
+@pytest.mark.parametrize("keep", [[4, 1, 2], [2, 0, 1], [1, 1, 3, 3]], ids=["in-place", "reordered", "repeated"])
+def test_selecting_rows_of_a_preallocated_layer_keeps_those_rows_and_goes_on_filling(keep):
     ours, theirs = PreallocatedLayer(capacity=9), DynamicLayer()
     for width in (4, 1):
         k, v = torch.randn(5, 3, width, 2), torch.randn(5, 3, width, 2)
         ours.update(k, v), theirs.update(k, v)
-    keep = torch.tensor([4, 1, 2])
+    keep = torch.tensor(keep)
     ours.batch_select_indices(keep), theirs.batch_select_indices(keep)
-    assert ours._keys.shape == (3, 3, 9, 2) and ours.get_seq_length() == 5
-    k, v = torch.randn(3, 3, 1, 2), torch.randn(3, 3, 1, 2)
+    assert ours._keys.shape == (len(keep), 3, 9, 2) and ours.get_seq_length() == 5
+    k, v = torch.randn(len(keep), 3, 1, 2), torch.randn(len(keep), 3, 1, 2)
     got, want = ours.update(k, v), theirs.update(k, v)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 

@@ -123,9 +123,13 @@ def test_a_rollout_rank_serving_the_demo_never_imports_transformers():
     assert out.stdout.strip() == "[]"
 
 
-def test_shedding_rows_of_the_cache_keeps_those_rows_and_goes_on_filling():
+@pytest.mark.parametrize("keep, in_place", [([4, 1, 2], True), ([2, 0, 1], False), ([1, 1, 3, 3], False)],
+                         ids=["holes-filled-from-past-the-prefix", "reordered", "repeated"])
+def test_shedding_rows_of_the_cache_keeps_those_rows_and_goes_on_filling(keep, in_place):
     """The engine sheds finished rows: the kept rows' filled positions are copied (never the whole
-    capacity: a long-tail wave sheds ~20 times), and writing goes on where it stopped."""
+    capacity: a long-tail wave sheds ~20 times), in place when the kept rows past the prefix only fill
+    its holes, and writing goes on where it stopped; any other order (or the prefill's rows repeated
+    per request) is gathered into a new buffer."""
     from yatt_hpc.rollout.native_gpt2 import NativeCache
 
     cache, full = NativeCache(layers=2, capacity=9), {0: [], 1: []}
@@ -135,11 +139,20 @@ def test_shedding_rows_of_the_cache_keeps_those_rows_and_goes_on_filling():
             cache.write(layer, k, v)
             full[layer].append((k, v))
         cache.filled += width
-    keep = torch.tensor([4, 1, 2])
+    keep, before = torch.tensor(keep), cache.keys[0].data_ptr()
     cache.batch_select_indices(keep)
-    assert cache.keys[0].shape == (3, 3, 9, 2) and cache.filled == 5
-    k, v = torch.randn(3, 3, 1, 2), torch.randn(3, 3, 1, 2)
+    assert cache.keys[0].shape == (len(keep), 3, 9, 2) and cache.filled == 5
+    assert (cache.keys[0].data_ptr() == before) == in_place
+    k, v = torch.randn(len(keep), 3, 1, 2), torch.randn(len(keep), 3, 1, 2)
     got_k, got_v = cache.write(1, k, v)
     want_k = torch.cat([full[1][0][0][keep], full[1][1][0][keep], k], dim=2)
     want_v = torch.cat([full[1][0][1][keep], full[1][1][1][keep], v], dim=2)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_the_engine_sheds_by_filling_holes_with_the_last_live_rows():
+    from yatt_hpc.rollout.micro_batch import live_rows
+
+    live = torch.tensor([True, False, True, False, True, True, False])
+    assert live_rows(live).tolist() == [0, 4, 2, 5]  # rows 1 and 3 finished: 4 and 5 move there
+    assert live_rows(torch.tensor([True, True, False])).tolist() == [0, 1]  # nothing moves

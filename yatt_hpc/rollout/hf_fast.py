@@ -34,6 +34,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import AttentionInterface
 
+from yatt_hpc.rollout.native_gpt2 import keep_rows, row_moves
+
 _PYTHON_TANH_GELU = (NewGELUActivation, FastGELUActivation)
 
 
@@ -71,16 +73,12 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows `indices` (new, smaller buffers; the filled positions copied once)."""
+        """Keep only the rows `indices`, in place when they allow it (`native_gpt2.keep_rows`)."""
         if not self.is_initialized:
             return
-        end = self._filled
-        keys, values = self._keys.new_empty((len(indices), *self._keys.shape[1:])), \
-            self._values.new_empty((len(indices), *self._values.shape[1:]))
-        keys[..., :end, :] = self._keys[indices, ..., :end, :]
-        values[..., :end, :] = self._values[indices, ..., :end, :]
-        self._keys, self._values = keys, values
-        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        end, moves = self._filled, row_moves(indices)
+        self._keys, self._values = (keep_rows(t, indices, end, moves) for t in (self._keys, self._values))
+        self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
 
 
 def preallocated_cache(config, capacity: int) -> DynamicCache:
