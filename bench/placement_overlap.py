@@ -36,17 +36,17 @@ from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
 
 NOTES = ("Tiny random policy/judge with a tuned eos rate (lengths above); 4 ranks on 2 cores. saved/ideal is "
          "paired step by step (each step generates the same samples in both modes; the median over steps). What "
-         "partial can hide is at most colocate's reward phase (about 40% of rollout+reward here). Finished groups "
+         "partial can hide is at most colocate's reward phase (about 45% of rollout+reward here). Finished groups "
          "leave GenRM idle until the first whole group and then short of time; finished samples start it with "
-         "the first short responses. What partial still loses, ~0.05-0.07 s a step: the core split (colocate's "
-         "rollout decodes on both cores: its engine call 0.28 s against partial's 0.31-0.32 s on one core, "
-         "sends left out), the sends from the decode loop (~18 ms a step: ~22 messages, of which filling them "
-         "8.5 ms, Isend 3 ms), and the judge's calls after the rollout ends (~14 ms). Lending the idle judge's "
-         "core to the rollout's thread team did not pay (measured twice: the team stalls whenever the judge "
-         "wakes). Chunked streaming (--chunks, not run by make bench) pays for its chunks: each "
-         "rollout.stream_chunk chunk is its own engine call that decodes until its own longest row, so a "
-         "long-tail batch pays its tail once per chunk (stream_chunk 32: 1.78x colocate's rollout+reward, one "
-         "run); a continuous-batching engine (SGLang) does not have that cost.")
+         "the first short responses (~17 ms into the rollout since a group's prompt is prefilled once). What "
+         "partial still loses, ~0.03-0.06 s a step (2026-12-03, nineteenth session): its rollout decodes on one "
+         "core where colocate's decodes on two (the engine call alone ~15 ms longer), the sends from the decode "
+         "loop (~15 ms a step: ~19 messages, of which filling them 7.5 ms, Isend 3.5 ms), and the judge's last "
+         "call after the rollout ends (~9-12 ms). Lending the idle judge's core to the rollout's thread team did "
+         "not pay (measured three times). Chunked streaming (--chunks, not run by make bench) pays for its "
+         "chunks: each rollout.stream_chunk chunk is its own engine call that decodes until its own longest row, "
+         "so a long-tail batch pays its tail once per chunk (stream_chunk 32: 1.78x colocate's rollout+reward, "
+         "one run); a continuous-batching engine (SGLang) does not have that cost.")
 
 
 def build_models(root: Path, eos_rate: float) -> dict[str, str]:
