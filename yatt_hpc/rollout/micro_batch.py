@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from yatt_hpc.rollout.engine import GenerationRequest
@@ -21,14 +20,15 @@ from yatt_hpc.rollout.engine import GenerationRequest
 def distinct_prompts(requests: Sequence[GenerationRequest]) -> tuple[list[int], torch.Tensor | None]:
     """The first request of each distinct prompt (tokens and images) and, when some repeat, the row of
     the distinct prompts each request takes (None when all differ)."""
-    first: dict[tuple, int] = {}
-    rows = [first.setdefault((np.asarray(r.prompt_ids, np.int64).tobytes(), r.images), len(first)) for r in requests]
-    if len(first) == len(requests):
-        return list(range(len(requests))), None
-    distinct = [0] * len(first)
-    for i, row in reversed(list(enumerate(rows))):
-        distinct[row] = i
-    return distinct, torch.tensor(rows, dtype=torch.long)
+    row_of: dict[tuple, int] = {}  # (prompt bytes, images) -> its row among the distinct prompts
+    distinct, rows = [], []
+    for i, r in enumerate(requests):  # prompt_ids are int32 already (GenerationRequest)
+        key = (r.prompt_ids.tobytes(), tuple(r.images))
+        if key not in row_of:
+            row_of[key] = len(distinct)
+            distinct.append(i)
+        rows.append(row_of[key])
+    return distinct, (torch.tensor(rows, dtype=torch.long) if len(distinct) < len(requests) else None)
 
 
 def live_rows(live: torch.Tensor) -> torch.Tensor:
