@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from yatt_hpc.rollout import GenerationRequest, build_engine
-from yatt_hpc.rollout.sampling import sample_next_tokens
+from yatt_hpc.rollout.sampling import _inverse_cdf, sample_next_tokens
 
 EOS = 2
 VOCAB = 64
@@ -176,6 +176,21 @@ def test_top_p_draws_only_inside_the_nucleus_and_temperature_zero_is_greedy():
     tokens, logprobs = sample_next_tokens(logits, torch.zeros(400), ones, uniform)
     assert set(tokens.tolist()) == {1}
     np.testing.assert_allclose(logprobs.numpy(), np.log(0.5), rtol=1e-5)
+
+
+def test_plain_sampling_is_the_general_path_at_temperature_one_without_top_p():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1)) * 4
+    uniform = torch.rand(64, generator=torch.Generator().manual_seed(2))
+    ones = torch.ones(64)
+    general, plain = (sample_next_tokens(logits, ones, ones, uniform, plain=p) for p in (False, True))
+    assert torch.equal(general[0], plain[0]) and torch.equal(general[1], plain[1])
+
+
+def test_a_draw_at_the_total_takes_the_last_token_with_weight():
+    # u * total rounding up to total puts searchsorted past the end; trailing tokens of weight 0 are never drawn
+    weights = torch.tensor([[0.1, 0.3, 0.6, 0.0, 0.0], [0.2, 0.0, 0.3, 0.5, 0.0]])
+    assert _inverse_cdf(weights, torch.tensor([1.0, 1.0])).tolist() == [2, 3]
+    assert _inverse_cdf(weights, torch.tensor([0.0, 0.25])).tolist() == [0, 2]  # no row past the end
 
 
 def test_update_weights_makes_the_engine_serve_the_new_model_exactly(model_dir, other_model_dir):

@@ -245,6 +245,7 @@ class NativeGPT2(torch.nn.Module):
         if s.tied:
             self.lm_head.weight = self.transformer.wte.weight
         self._act = _ACTIVATIONS[s.activation]
+        self._by_role: dict | None = None  # `_tensors`
 
     @staticmethod
     def parameter_names(layers: int, tied: bool) -> list[str]:
@@ -267,6 +268,8 @@ class NativeGPT2(torch.nn.Module):
         real (not padding) positions of everything cached so far plus these; `positions` [B, W]."""
         s, t = self.shape, self.transformer
         rows, width = input_ids.shape
+        if width == 1:
+            return self._decode_logits(input_ids[:, 0], mask, positions[:, 0], cache)
         heads, dim = s.heads, s.width // s.heads
         h = t.wte(input_ids) + t.wpe(positions)
         attend = self._prefill_mask(mask, width) if width > 1 else None
@@ -281,6 +284,43 @@ class NativeGPT2(torch.nn.Module):
             h = h + block.mlp.c_proj(self._act(block.mlp.c_fc(block.ln_2(h))))
         cache.filled += width
         return self.lm_head(t.ln_f(h[:, -1]))
+
+    def _decode_logits(self, token: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                       cache: NativeCache) -> torch.Tensor:
+        """`last_logits` of one new token per row (token, positions [B]): the same ops on [B, width]
+        rows, the parameters taken from `_tensors` (no module calls, ~50 attribute lookups fewer a
+        step) and the padding mask made once for all layers. A long tail's last rows decode ~140 steps
+        of a B4 wave, each mostly per-op cost."""
+        s, p = self.shape, self._tensors()
+        rows, heads, dim = token.shape[0], s.heads, s.width // s.heads
+        padding = ~mask.bool()[:, None, None, :]  # [B, 1, 1, L]: broadcast over the heads
+        h = F.embedding(token, p["wte"]) + F.embedding(positions, p["wpe"])
+        for i, (ln_1, c_attn, attn_proj, ln_2, c_fc, mlp_proj) in enumerate(p["blocks"]):
+            x = F.layer_norm(h, (s.width,), *ln_1, s.eps)
+            q, k, v = torch.addmm(c_attn[1], x, c_attn[0]).view(rows, 3, heads, 1, dim).unbind(1)
+            k, v = cache.write(i, k, v)
+            scores = torch.matmul(q, k.transpose(-1, -2)).mul_(dim ** -0.5)
+            scores.masked_fill_(padding, float("-inf"))
+            a = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+            h = h + torch.addmm(attn_proj[1], a.view(rows, s.width), attn_proj[0])
+            x = self._act(torch.addmm(c_fc[1], F.layer_norm(h, (s.width,), *ln_2, s.eps), c_fc[0]))
+            h = h + torch.addmm(mlp_proj[1], x, mlp_proj[0])
+        cache.filled += 1
+        return F.linear(F.layer_norm(h, (s.width,), *p["ln_f"], s.eps), p["head"])
+
+    def _tensors(self) -> dict:
+        """The parameters by role, collected once: the Parameter objects themselves, which weight
+        updates (`load_state_dict` copies into them) and host parking (`.data` swapped) keep."""
+        if self._by_role is None:
+            t = self.transformer
+
+            def pair(m):
+                return (m.weight, m.bias)
+
+            self._by_role = {"wte": t.wte.weight, "wpe": t.wpe.weight, "ln_f": pair(t.ln_f), "head": self.lm_head.weight,
+                             "blocks": [(pair(b.ln_1), pair(b.attn.c_attn), pair(b.attn.c_proj), pair(b.ln_2),
+                                         pair(b.mlp.c_fc), pair(b.mlp.c_proj)) for b in t.h]}
+        return self._by_role
 
     @staticmethod
     def _prefill_mask(mask: torch.Tensor, width: int) -> torch.Tensor:

@@ -16,13 +16,20 @@ from yatt_hpc.rollout.engine import GenerationRequest
 
 
 def sample_next_tokens(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor,
+    plain: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` [B, V]; return (tokens [B], their logprobs [B]).
 
     Row i uses only its own logits, parameters and ``uniform[i]`` in [0, 1), so a row's token does
-    not depend on the other rows. temperature 0 means greedy.
+    not depend on the other rows. temperature 0 means greedy. ``plain``: the caller knows every row
+    is at temperature 1 without top-p (the engine decides once per micro-batch); the same arithmetic
+    without the greedy, scaling and nucleus steps (a decode step of few rows is mostly per-op cost).
     """
+    if plain:
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        tokens = _inverse_cdf(logprobs.exp(), uniform)
+        return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
     greedy = temperature == 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     logprobs = torch.log_softmax(logits.float() / scale[:, None], dim=-1)
@@ -44,10 +51,14 @@ def _inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Index drawn from unnormalised non-negative ``weights`` [B, V] by one uniform per row."""
     cdf = weights.cumsum(-1)
     picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).squeeze(1)
-    # u * total can round up to total; never fall past the last token that has weight.
-    positions = torch.arange(weights.shape[-1], device=weights.device)
-    last_with_weight = torch.where(weights > 0, positions, 0).amax(-1)
-    return torch.minimum(picked, last_with_weight)
+    # u * total can round up to total: searchsorted then says V, past the end; such a row takes the last
+    # token that has weight. Any other pick already has weight (cdf rises there), so the three passes
+    # over [B, V] are paid only when some row rounded up.
+    if bool((picked == weights.shape[-1]).any()):
+        positions = torch.arange(weights.shape[-1], device=weights.device)
+        last_with_weight = torch.where(weights > 0, positions, 0).amax(-1)
+        picked = torch.minimum(picked, last_with_weight)
+    return picked
 
 
 def draw_uniforms(requests: Sequence[GenerationRequest], engine_seed: int) -> torch.Tensor:
