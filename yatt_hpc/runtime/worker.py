@@ -87,12 +87,14 @@ def run_rank(group: str, run_dir: Path) -> str:
     from yatt_hpc.metrics import build_metrics
     from yatt_hpc.placement import plan
     from yatt_hpc.roles.protocol import StepProtocol, check_requested
+    from yatt_hpc.runtime.allocator import keep_freed_memory
     from yatt_hpc.runtime.inputs import check_model_dirs
     from yatt_hpc.runtime.loop import SlurmFacts, StepLoop
     from yatt_hpc.runtime.rank_stats import RankStats
     from yatt_hpc.runtime.signals import StopFlag
 
     stop_flag = StopFlag.install()  # first: a signal during the slow start-up must not kill us mid-write
+    logging.getLogger(__name__).info("%s", keep_freed_memory())  # before the first big allocation
     quiet_libraries()
     config_yaml = (run_dir / "config.yaml").read_text()
     cfg = load_config(run_dir / "config.yaml")
