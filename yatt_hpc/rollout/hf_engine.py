@@ -229,7 +229,7 @@ class HFEngine(HFWeightUpdates, BaseEngine):
         done = torch.zeros(rows, dtype=torch.bool, device=device)  # per row computed: finished
         finished = 0  # rows computed that are finished (they ride along until a shed)
 
-        def report(places: list[int], length: int, stop: list[bool], ended: bool) -> None:
+        def report(places: torch.Tensor, length: int, stop: list[bool], ended: bool) -> None:
             for i, stopped in zip(present[places].tolist(), stop):
                 results[i] = self._result(requests[i], tokens[i, :length], logprobs[i, :length], stopped, ended)
                 if on_result is not None:
