@@ -11,7 +11,8 @@ bench/peers/trl_grpo.py. Both sides start from the same weights, read the same p
 samples, lr 3e-4 constant, clip [0.2, 0.28], KL 0.001, temperature 1.0, seeded. yatt-hpc is
 `yatt-hpc run configs/demo_cpu.yaml --set reward.mode=rule_only` (4 MPI ranks: 2 trainers, rollout,
 GenRM scoring by rule), no checkpoints between steps, no TensorBoard; TRL is one process, fp32, no
-gradient checkpointing, nothing saved. Two shapes: `demo` (models/demo/policy, 0.16 M parameters,
+gradient checkpointing, nothing saved, with the glibc malloc thresholds our ranks set for themselves
+(`runtime/allocator.py`), given through glibc's own variables. Two shapes: `demo` (models/demo/policy, 0.16 M parameters,
 12-token responses, 30 steps) and `wide` (a seeded random GPT-2 of ~3.2 M parameters built here, 256
 wide, 4 layers, 48-token responses, 6 steps). The sides take turns (yatt, trl, yatt, trl...).
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -44,6 +46,8 @@ from pathlib import Path
 import numpy as np
 from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
 from rich.markup import escape
+
+from yatt_hpc.runtime.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
 
 PEERS = REPO / "bench" / "peers"
 PEER_PYTHON = PEERS / ".venv" / "bin" / "python"
@@ -156,7 +160,10 @@ def run_trl(model: str, shape: dict, rows: Path, root: Path, tag: str) -> dict:
     out = root / f"trl-{tag}.json"
     argv = [str(PEER_PYTHON), str(PEERS / "trl_grpo.py"), "--model", model, "--rows", str(rows),
             "--steps", str(shape["steps"]), "--max-completion-length", str(shape["max_new_tokens"]), "--out", str(out)]
-    start = launch(argv, root / f"trl-{tag}.log")
+    # the glibc thresholds every yatt-hpc rank sets for itself (runtime/allocator.py), through glibc's own
+    # variables: a TRL user can have them too, so the comparison is not of allocator settings
+    malloc = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
+    start = launch(argv, root / f"trl-{tag}.log", env={**os.environ, **malloc})
     wall = time.time() - start
     data = json.loads(out.read_text())
     marks = {"imports done": data["marks"]["imports_done"], "GRPOTrainer built": data["marks"]["trainer_built"],
