@@ -235,7 +235,6 @@ class HFEngine(HFWeightUpdates, BaseEngine):
                 if on_result is not None:
                     on_result(results[i])
 
-        step = 0
         for step in range(steps):
             if self._abort.is_set():
                 break
