@@ -186,7 +186,7 @@ def blocks(values: list[float], width: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=2, help="turns per side and shape")
+    ap.add_argument("--repeats", type=int, default=3, help="turns per side and shape")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     args = ap.parse_args()
     if not PEER_PYTHON.exists():

@@ -133,6 +133,9 @@ def test_sampling_temperature_is_the_temperature_the_trainer_scores_at(tmp_path)
     rollout_log = (tmp_path / "run" / "logs" / "rank-0002-rollout.log").read_text()
     assert "with the native GPT-2 forward" in rollout_log and "done: complete (loaded: torch)" in rollout_log
     assert (tmp_path / "run" / "checkpoints" / "step-1" / "COMMITTED").exists()
+    # every rank started without the cyclic collector and stepped with it on again (runtime/collector.py)
+    for log in (tmp_path / "run" / "logs").glob("rank-*.log"):
+        assert "start-up ran without the cyclic collector; its " in log.read_text(), log.name
 
 
 def test_bf16_run_trains_and_checkpoints_fp32_masters(tmp_path):

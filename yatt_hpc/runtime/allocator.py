@@ -21,7 +21,6 @@ changes.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
@@ -35,7 +34,7 @@ def keep_freed_memory(environ=os.environ) -> str:
     if any(name in environ for name in USER_VARIABLES):
         return "malloc thresholds left as the environment sets them"
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library the interpreter runs on
     except (OSError, AttributeError):
         return "malloc thresholds unchanged (not glibc)"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int

@@ -88,6 +88,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     from yatt_hpc.placement import plan
     from yatt_hpc.roles.protocol import StepProtocol, check_requested
     from yatt_hpc.runtime.allocator import keep_freed_memory
+    from yatt_hpc.runtime.collector import resume_after_startup
     from yatt_hpc.runtime.inputs import check_model_dirs
     from yatt_hpc.runtime.loop import SlurmFacts, StepLoop
     from yatt_hpc.runtime.rank_stats import RankStats
@@ -118,6 +119,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     slurm = SlurmFacts(slurm_env.job_id, slurm_env.restart_count, job_end_time(os.environ))
     ckpt = CheckpointManager(run_dir, world.comm, keep_last=cfg.checkpoint.keep_last,
                              async_save=cfg.checkpoint.async_save)
+    logging.getLogger(__name__).info("%s", resume_after_startup())  # the steps run with the collector on
     try:
         outcome = StepLoop(world, cfg, controller, stats, metrics, ckpt, stop_flag, protocol, console, run_dir, slurm,
                            config_yaml).run()
@@ -172,6 +174,9 @@ def profiled(fn, group: str, run_dir: Path, rank: int):
 
 
 def main(argv: list[str] | None = None) -> None:
+    from yatt_hpc.runtime.collector import pause_during_startup
+
+    pause_during_startup()  # first: start-up's imports and model build run without the cyclic collector
     from mpi4py import MPI  # initialises MPI: here, never at import (see the module docstring)
 
     from yatt_hpc.errors import USER_ERRORS
