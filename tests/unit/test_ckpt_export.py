@@ -15,7 +15,12 @@ from yatt_hpc.ckpt import CheckpointError, CheckpointManager, RankState, SharedS
 from yatt_hpc.ckpt.export_hf import export_hf
 from yatt_hpc.train.convert import hf_to_megatron
 
-TOLERANCE = 1e-5
+# The export's claim is exact: every weight bitwise the original's (`exported_model` checks it). The
+# logits then show that the copied config runs those weights as the original does; they are two float32
+# forward passes, not one, and a CI run saw 4.1e-5 between them on logits of magnitude ~3.3 (1.2e-5 of
+# the largest), so the bound is relative to the logits' scale: 4x that noise, and half of what the
+# smallest config slip tried moves them (gelu for gelu_new: 1.1e-4; layer_norm_epsilon 1e-3: 1.1e-2).
+TOLERANCE = 5e-5
 
 
 def write_tiny_model_dir(path):
@@ -26,11 +31,22 @@ def write_tiny_model_dir(path):
     return model
 
 
-def max_logit_diff(original, exported_dir) -> float:
+def exported_model(original, exported_dir):
+    """The exported directory loaded by transformers; every weight must equal the original's bit for bit."""
     exported = AutoModelForCausalLM.from_pretrained(exported_dir).eval()
+    want, got = original.state_dict(), exported.state_dict()
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    return exported
+
+
+def max_logit_diff(original, exported_dir) -> float:
+    """Largest logit difference between the export and the original over their largest logit."""
+    exported = exported_model(original, exported_dir)
     ids = torch.randint(0, original.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        return (exported(ids).logits - original(ids).logits).abs().max().item()
+        want = original(ids).logits
+        return ((exported(ids).logits - want).abs().max() / want.abs().max()).item()
 
 
 def test_exported_checkpoint_loads_in_transformers_with_the_original_logits(tmp_path):
