@@ -249,6 +249,15 @@ def _sigkill(pids: list[int]) -> list[int]:
     return pids
 
 
+def wait_for_file(path: Path, timeout_s: float = 300, alive=None) -> None:
+    """Poll until `path` exists (an event a process marks with a file), bounded; `alive()` False ends the wait early."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert alive is None or alive(), f"the run ended before {path} was written"
+        assert time.monotonic() < deadline, f"{path} was not written within {timeout_s:g}s"
+        time.sleep(0.02)
+
+
 def wait_for_log_line(path: Path, text: str, timeout_s: float = 300, alive=None) -> None:
     """Poll `path` until it holds `text` (an event a rank logs), bounded; `alive()` False ends the wait early."""
     deadline = time.monotonic() + timeout_s

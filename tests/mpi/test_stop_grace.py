@@ -1,11 +1,15 @@
 """A stop signal during a long step, under real mpirun: the step is given up after checkpoint.stop_grace_s.
 
-The step is long by configuration alone (256 prompts x 16 samples: ~4 s on CPU, most of them before
-the optimizer step). SIGTERM lands early in step 2; the leader gives the step up within the grace
-plus polling, checkpoint step-1 is committed after its write (written by the watchdogs:
-checkpoint.interval=0 saves nothing on its own; the fsyncs take ~0.1s here, but a disk shared with
-other jobs has stalled them for seconds, hence the loose bound on the commit), every
-process has exited with the code of a normal stop, and the stop record says the step was given up.
+Step 2 is long by construction, not by size: the rollout engine runs wrapped in
+tests/programs/held_engine.py, which holds the first rollout on fresh weights (step 2's) until the
+rank is stopped, and says so in a file; SIGTERM is sent once that file exists, so it always lands in
+a step that cannot end by itself, before the optimizer step, however fast the machine. (Sized steps
+did not hold up: 256 x 16 samples took ~4 s when this test was written and 2.7 s later.) The leader
+gives the step up within the grace plus polling, checkpoint step-1 is committed after its write
+(written by the watchdogs: checkpoint.interval=0 saves nothing on its own; the fsyncs take ~0.1s
+here, but a disk shared with other jobs has stalled them for seconds, hence the loose bound on the
+commit), every process has exited with the code of a normal stop, and the stop record says the step
+was given up.
 Resuming to K steps then ends bitwise where an uninterrupted run ends, with the same prompts consumed.
 The same stop in partial placement with over-dispatch and a dynamic split (5 ranks, STOP/END and
 weight traffic in flight when the ranks exit) resumes with the step-start split and queue: no
@@ -20,12 +24,14 @@ from datetime import datetime
 
 import pytest
 
-from tests.conftest import REPO, final_state, full_matrix_only, kill_leftovers, leftover_pids, mpi_env, wait_for_log_line
+from tests.conftest import REPO, final_state, full_matrix_only, kill_leftovers, leftover_pids, mpi_env, wait_for_file
 from tests.mpi.test_exact_resume import assert_same, finished_steps
 from tests.mpi.test_overdispatch_run import assert_every_position_consumed_once_or_queued
+from tests.programs.held_engine import DIR_ENV, holding_marker
 from yatt_hpc.ckpt.state import read_shared
+from yatt_hpc.rollout.engine import TEST_WRAPPER_ENV
 
-K, PROMPTS, GRACE = 2, 256, 1.0
+K, PROMPTS, GRACE = 2, 64, 1.0
 ARGS = ["--set", f"train.steps={K}", "--set", f"train.prompts_per_step={PROMPTS}", "--set", "rollout.samples_per_prompt=16",
         "--set", "checkpoint.interval=0", "--set", f"checkpoint.stop_grace_s={GRACE}", "--set", "logging.progress=false",
         "--set", "logging.tensorboard=false"]
@@ -46,8 +52,12 @@ def gave_up_at(run_dir) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def start(run_dir, extra=(), config="configs/demo_cpu.yaml"):
-    return subprocess.Popen(cmd(run_dir, extra, config), cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE,
+def start(run_dir, extra=(), config="configs/demo_cpu.yaml", held_in=None):
+    """Start a run; `held_in`: a directory, and its rollout engines hold step 2 (tests/programs/held_engine.py)."""
+    env = mpi_env()
+    if held_in is not None:
+        env.update({TEST_WRAPPER_ENV: "tests.programs.held_engine:HeldEngine", DIR_ENV: str(held_in)})
+    return subprocess.Popen(cmd(run_dir, extra, config), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -60,15 +70,13 @@ def run_dir(tmp_path):
 
 
 def interrupt_in_step_2(run_dir, extra=(), config="configs/demo_cpu.yaml"):
-    """Start a run, SIGTERM it early in step 2, wait for every process to exit; check the give-up.
-    Returns (seconds from the signal to: the leader's decision, the commit marker, the exit; output)."""
+    """Start a run whose step 2 is held, SIGTERM it once the hold began, wait for every process to exit;
+    check the give-up. Returns (seconds from the signal to: the leader's decision, the commit marker,
+    the exit; output)."""
     before = set(leftover_pids())
-    proc = start(run_dir, extra, config)
-    deadline = time.monotonic() + 300
-    while finished_steps(run_dir) < 1 and proc.poll() is None:
-        assert time.monotonic() < deadline, "step 1 never finished"
-        time.sleep(0.02)
-    wait_for_log_line(run_dir / "logs" / "rank-0000-trainer.log", "step 2 begins", alive=lambda: proc.poll() is None)
+    held = run_dir.parent / "held"
+    proc = start(run_dir, extra, config, held_in=held)
+    wait_for_file(holding_marker(held), alive=lambda: proc.poll() is None)
     sent, sent_wall = time.monotonic(), time.time()
     proc.send_signal(signal.SIGTERM)
     marker, committed = run_dir / "checkpoints" / "step-1" / "COMMITTED", None

@@ -22,12 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import PYTHON, REPO, checkpoint_weights, full_matrix_only, wait_for_log_line
+from tests.conftest import PYTHON, REPO, checkpoint_weights, full_matrix_only, wait_for_file
+from tests.programs.held_engine import DIR_ENV, holding_marker
 from tests.slurm.jobs import job_rank_pid
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import wait_job
 from yatt_hpc.launch.submitit_exec import submit_run
 from yatt_hpc.placement import plan
+from yatt_hpc.rollout.engine import TEST_WRAPPER_ENV
 
 DEMO = str(REPO / "configs/demo_cpu.yaml")
 STEPS = 20
@@ -148,11 +150,14 @@ def test_sigkilled_job_resumes_from_periodic_checkpoint_after_resubmission(slurm
 
 @full_matrix_only  # the give-up of tests/mpi/test_stop_grace.py, triggered by Slurm's requeue
 def test_requeue_during_a_long_step_gives_it_up_within_the_grace(slurm_cluster, tmp_path):
-    run_dir = tmp_path / "run"
-    sub = submit(run_dir, "train.steps=3", "train.prompts_per_step=64", "rollout.samples_per_prompt=16",
-                 "checkpoint.interval=0", "checkpoint.stop_grace_s=1")
-    wait_steps(run_dir, 1)
-    wait_for_log_line(run_dir / "logs" / "rank-0000-trainer.log", "step 2 begins")  # inside step 2, generating
+    # step 2 is long by construction (tests/programs/held_engine.py holds its rollout until the rank is
+    # stopped; the requeued attempt finds the hold's file and runs through): 64 x 16 samples had been
+    # long enough until a step of them took 0.73 s, under the 1 s grace
+    run_dir, held = tmp_path / "run", tmp_path / "held"
+    sub = submit(run_dir, "train.steps=3", "train.prompts_per_step=16", "rollout.samples_per_prompt=4",
+                 "checkpoint.interval=0", "checkpoint.stop_grace_s=1", f"slurm.env.PYTHONPATH={REPO}",
+                 f"slurm.env.{TEST_WRAPPER_ENV}=tests.programs.held_engine:HeldEngine", f"slurm.env.{DIR_ENV}={held}")
+    wait_for_file(holding_marker(held), timeout_s=240)  # inside step 2, its rollout held
     sent = time.monotonic()
     subprocess.run(["scontrol", "requeue", sub.job_id], check=True)
     record = run_dir / "logs" / f"stop_{sub.job_id}_0.json"

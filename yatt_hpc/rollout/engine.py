@@ -288,7 +288,8 @@ def maybe_wrap_for_tests(engine: BaseEngine, kind: str, environ: Mapping[str, st
     """``YATT_TEST_ENGINE_WRAPPER=tests.programs.MODULE:CLASS`` returns ``CLASS(engine)`` instead of ``engine``.
 
     For tests of how a rank lives with an engine's process habits (tests/programs/spawning_engine.py
-    starts a child and takes SIGTERM, as SGLang does) without a GPU. Only classes under
+    starts a child and takes SIGTERM, as SGLang does) without a GPU, and of a step that cannot end by
+    itself (tests/programs/held_engine.py). Only classes under
     ``tests.programs`` are accepted, which no installed package ships, and the rank's log says so.
     """
     spec = environ.get(TEST_WRAPPER_ENV)
