@@ -4,6 +4,13 @@ Run K steps straight through; run again and stop it with SIGTERM mid-run (it sav
 then resume; run a third time and SIGKILL every rank mid-run (no save: only periodic checkpoints
 survive, possibly with an async write torn), then resume. All three must end with identical
 parameters and the identical sequence of consumed prompt positions.
+
+The stop comes at a random time after a random step, so it may land in a step or in an async write;
+it can never come after the run ended: the last step's rollout is held until the rank is stopped
+(tests/programs/held_engine.py), since at ~0.09 s a step the remaining steps could end before the
+stop (as few as 4 steps against a delay of up to 0.35 s). A SIGTERM that finds the hold gives the
+last step up after checkpoint.stop_grace_s (2 s here) and the run resumes from the step before; a
+SIGKILL ends the hold with the process.
 """
 import random
 import signal
@@ -15,11 +22,12 @@ import pytest
 import torch
 
 from tests.conftest import REPO, final_state, full_matrix_only, kill_tree, mpi_env
+from tests.programs.held_engine import held_env
 
 CONFIG = str(REPO / "configs/demo_cpu.yaml")
 K = 8
 ARGS = ["--set", f"train.steps={K}", "--set", "train.prompts_per_step=8", "--set", "rollout.samples_per_prompt=4",
-        "--set", "checkpoint.interval=2", "--set", "logging.progress=false"]
+        "--set", "checkpoint.interval=2", "--set", "checkpoint.stop_grace_s=2", "--set", "logging.progress=false"]
 
 
 def cmd(run_dir):
@@ -32,7 +40,8 @@ def finished_steps(run_dir) -> int:
 
 
 def start_and_interrupt(run_dir, after_steps: int, how: str):
-    proc = subprocess.Popen(cmd(run_dir), cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    env = mpi_env() | held_env(run_dir.parent / "held", at_version=K - 1)  # step K cannot end before the stop
+    proc = subprocess.Popen(cmd(run_dir), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + 300
     while finished_steps(run_dir) < after_steps and time.monotonic() < deadline and proc.poll() is None:

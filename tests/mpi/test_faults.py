@@ -26,10 +26,11 @@ import pytest
 
 from tests.conftest import FULL_MATRIX, REPO, final_state, kill_tree, mpi_env, tree_pids
 from tests.mpi.test_exact_resume import assert_same
+from tests.programs.held_engine import held_env, release
 from yatt_hpc.ckpt.loader import find_latest
 
-# 6 steps: the hit lands after checkpoint step-1 with steps still to run (a demo step is ~0.15 s now; with 3
-# steps a slow test process could find the run finished)
+# 6 steps: the hit lands after checkpoint step-1 with steps still to run, and step 2 is held until it has
+# landed (a demo step is ~0.09 s now: without the hold a slow test process could find the run finished)
 STEPS, PROMPTS = 6, 8
 ARGS = ["--set", f"train.steps={STEPS}", "--set", f"train.prompts_per_step={PROMPTS}",
         "--set", "rollout.samples_per_prompt=4", "--set", "checkpoint.interval=1", "--set", "logging.progress=false",
@@ -74,14 +75,18 @@ def session():
 
 
 def hit_after_first_checkpoint(session, run_dir, mode, rank: int, sig: int, extra=()):
-    proc = subprocess.Popen(cmd(run_dir, mode, extra), cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # step 2's rollout holds until the hit has landed (tests/programs/held_engine.py): a run that could
+    # otherwise finish its last steps (~0.1 s each) before a slow test process signals it
+    held = run_dir.parent / f"held-{len(session)}"
+    proc = subprocess.Popen(cmd(run_dir, mode, extra), cwd=REPO, env=mpi_env() | held_env(held, "released"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     session.append(proc)
     deadline = time.monotonic() + 300
     pid = rank_pid(run_dir, rank, proc.pid, deadline)
     wait_for(run_dir / "checkpoints" / "step-1" / "COMMITTED", proc, deadline)
     os.kill(pid, sig)
     hit = time.monotonic()
+    release(held)
     try:
         out, _ = proc.communicate(timeout=BOUND_S)
     except subprocess.TimeoutExpired:

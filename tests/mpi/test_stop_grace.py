@@ -27,9 +27,8 @@ import pytest
 from tests.conftest import REPO, final_state, full_matrix_only, kill_leftovers, leftover_pids, mpi_env, wait_for_file
 from tests.mpi.test_exact_resume import assert_same, finished_steps
 from tests.mpi.test_overdispatch_run import assert_every_position_consumed_once_or_queued
-from tests.programs.held_engine import DIR_ENV, holding_marker
+from tests.programs.held_engine import held_env, holding_marker
 from yatt_hpc.ckpt.state import read_shared
-from yatt_hpc.rollout.engine import TEST_WRAPPER_ENV
 
 K, PROMPTS, GRACE = 2, 64, 1.0
 ARGS = ["--set", f"train.steps={K}", "--set", f"train.prompts_per_step={PROMPTS}", "--set", "rollout.samples_per_prompt=16",
@@ -54,9 +53,7 @@ def gave_up_at(run_dir) -> float:
 
 def start(run_dir, extra=(), config="configs/demo_cpu.yaml", held_in=None):
     """Start a run; `held_in`: a directory, and its rollout engines hold step 2 (tests/programs/held_engine.py)."""
-    env = mpi_env()
-    if held_in is not None:
-        env.update({TEST_WRAPPER_ENV: "tests.programs.held_engine:HeldEngine", DIR_ENV: str(held_in)})
+    env = mpi_env() | (held_env(held_in) if held_in is not None else {})
     return subprocess.Popen(cmd(run_dir, extra, config), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 

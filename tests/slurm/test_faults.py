@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import PYTHON, REPO, full_matrix_only
 from tests.mpi.test_faults import assert_every_prompt_once
+from tests.programs.held_engine import held_env, release
 from tests.slurm.jobs import job_rank_pid
 from yatt_hpc.ckpt import layout
 from yatt_hpc.launch.jobs import top_states, wait_job
@@ -30,8 +31,12 @@ ARGS = [f"train.steps={STEPS}", "train.prompts_per_step=8", "rollout.samples_per
 RANK_OF = {"trainer": 1, "rollout": 2, "genrm": 3}
 
 
-def submit(run_dir, mode) -> str:
-    sets = [a for kv in (*ARGS, f"placement.mode={mode}") for a in ("--set", kv)]
+def submit(run_dir, mode, held=None, at_version: int = 1) -> str:
+    """Submit the run; `held`: a directory, and the rollout on weights version `at_version` holds
+    until `release(held)` (tests/programs/held_engine.py)."""
+    env = {"PYTHONPATH": str(REPO)} | held_env(held, "released", at_version) if held is not None else {}
+    sets = [a for kv in (*ARGS, f"placement.mode={mode}", *(f"slurm.env.{k}={v}" for k, v in env.items()))
+            for a in ("--set", kv)]
     proc = subprocess.run([PYTHON, "-m", "yatt_hpc.cli", "submit", DEMO, "--run-dir", str(run_dir), *sets],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -44,7 +49,10 @@ def hit(run_dir, mode, rank: int, sig: int) -> tuple[dict, str]:
     committed = [s.step for s in layout.list_steps(layout.checkpoints_dir(run_dir)) if s.committed]
     after_step = max(committed, default=0) + 1
     assert after_step < STEPS, f"no step left to hit after checkpoint step-{after_step - 1}"
-    job = submit(run_dir, mode)
+    # the rollout after step N holds until the hit has landed: a fresh job's engine serves version 1 after
+    # step 1; a resumed one's gets the restored weights first (version 1), then step N's (version 2)
+    held = run_dir.parent / f"held-{after_step}"
+    job = submit(run_dir, mode, held, at_version=1 if after_step == 1 else 2)
     deadline = time.monotonic() + 300
     pid = job_rank_pid(run_dir, rank, job, deadline)
     marker = run_dir / "checkpoints" / f"step-{after_step}" / "COMMITTED"
@@ -53,6 +61,7 @@ def hit(run_dir, mode, rank: int, sig: int) -> tuple[dict, str]:
         time.sleep(0.1)
     os.kill(pid, sig)
     sent = time.monotonic()
+    release(held)  # the held rollout (its step after step-N) goes on: the run could not end before the hit
     states = wait_job(job, poll_s=1, timeout_s=120, components=3 if mode == "disjoint" else 0)
     print(f"{mode}: {signal.Signals(sig).name} to rank {rank} -> {states} after {time.monotonic() - sent:.0f}s")
     assert set(states.values()) == {"FAILED"}, states

@@ -11,6 +11,10 @@
     from there (bitwise equality with long steps is tests/mpi/test_stop_grace.py's).
 (e) `yatt-hpc cancel`: the ranks save at the SIGTERM and the job ends CANCELLED, not requeued (a stop
     signal otherwise requeues: scancel's SIGTERM brought the job back before cancel disabled requeueing).
+
+(a), (b), (d) and (e) stop the run in a step held open until the stop arrives (`held`: the rollout
+engine wrapped in tests/programs/held_engine.py), never in a step that is merely long enough: steps
+got ~10x shorter over time, and a stop sent after "step 6 finished" could find the run done.
 """
 import json
 import os
@@ -23,13 +27,12 @@ import pytest
 import torch
 
 from tests.conftest import PYTHON, REPO, checkpoint_weights, full_matrix_only, wait_for_file
-from tests.programs.held_engine import DIR_ENV, holding_marker
+from tests.programs.held_engine import held_env, holding_marker
 from tests.slurm.jobs import job_rank_pid
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import wait_job
 from yatt_hpc.launch.submitit_exec import submit_run
 from yatt_hpc.placement import plan
-from yatt_hpc.rollout.engine import TEST_WRAPPER_ENV
 
 DEMO = str(REPO / "configs/demo_cpu.yaml")
 STEPS = 20
@@ -68,6 +71,13 @@ def submit(run_dir: Path, *extra: str):
     return submit_run(cfg, plan(cfg), run_dir)
 
 
+def held(directory: Path, until: str, at_version: int = 1) -> tuple[str, ...]:
+    """Overrides that make the rollout of weights version `at_version` (step at_version + 1) hold until
+    `until` (tests/programs/held_engine.py): a run that cannot end before the test stops it."""
+    env = {"PYTHONPATH": str(REPO)} | held_env(directory, until, at_version)
+    return tuple(f"slurm.env.{name}={value}" for name, value in env.items())
+
+
 def assert_same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
@@ -81,8 +91,8 @@ def logs(run_dir: Path) -> str:
 @full_matrix_only  # the requeue path of (a) and (d), triggered by hand
 def test_scontrol_requeue_mid_run_resumes_and_completes(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
-    sub = submit(run_dir)
-    wait_steps(run_dir, 6)
+    sub = submit(run_dir, *held(tmp_path / "held", "signal", at_version=6))
+    wait_for_file(holding_marker(tmp_path / "held"), timeout_s=240)  # step 7 holds until the signal
     subprocess.run(["scontrol", "requeue", sub.job_id], check=True)
     states = wait_job(sub.job_id, poll_s=1, timeout_s=400)
     assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
@@ -94,8 +104,9 @@ def test_scontrol_requeue_mid_run_resumes_and_completes(slurm_cluster, uninterru
 
 def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
-    sub = submit(run_dir, "slurm.partition=debug")
-    wait_steps(run_dir, 6)
+    # step 7 holds until the preemption's signal: 14 steps of ~0.09 s had left it 7 to spare
+    sub = submit(run_dir, "slurm.partition=debug", *held(tmp_path / "held", "signal", at_version=6))
+    wait_for_file(holding_marker(tmp_path / "held"), timeout_s=240)
     # a job on the high-priority partition that needs every node preempts ours
     high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--nodes=4", "--time=2",
                            f"--output={tmp_path}/high-%j.out", "--wrap", "sleep 5"],
@@ -111,8 +122,8 @@ def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted
 
 def test_cancel_saves_and_ends_the_job_without_a_requeue(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
-    sub = submit(run_dir, "slurm.max_requeues=3")
-    wait_steps(run_dir, 2)
+    sub = submit(run_dir, "slurm.max_requeues=3", *held(tmp_path / "held", "signal"))
+    wait_for_file(holding_marker(tmp_path / "held"), timeout_s=240)  # step 2 holds until the signal
     done = subprocess.run([str(Path(PYTHON).parent / "yatt-hpc"), "cancel", sub.job_id], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -153,11 +164,10 @@ def test_requeue_during_a_long_step_gives_it_up_within_the_grace(slurm_cluster, 
     # step 2 is long by construction (tests/programs/held_engine.py holds its rollout until the rank is
     # stopped; the requeued attempt finds the hold's file and runs through): 64 x 16 samples had been
     # long enough until a step of them took 0.73 s, under the 1 s grace
-    run_dir, held = tmp_path / "run", tmp_path / "held"
+    run_dir, held_dir = tmp_path / "run", tmp_path / "held"
     sub = submit(run_dir, "train.steps=3", "train.prompts_per_step=16", "rollout.samples_per_prompt=4",
-                 "checkpoint.interval=0", "checkpoint.stop_grace_s=1", f"slurm.env.PYTHONPATH={REPO}",
-                 f"slurm.env.{TEST_WRAPPER_ENV}=tests.programs.held_engine:HeldEngine", f"slurm.env.{DIR_ENV}={held}")
-    wait_for_file(holding_marker(held), timeout_s=240)  # inside step 2, its rollout held
+                 "checkpoint.interval=0", "checkpoint.stop_grace_s=1", *held(held_dir, "stopped"))
+    wait_for_file(holding_marker(held_dir), timeout_s=240)  # inside step 2, its rollout held
     sent = time.monotonic()
     subprocess.run(["scontrol", "requeue", sub.job_id], check=True)
     record = run_dir / "logs" / f"stop_{sub.job_id}_0.json"
