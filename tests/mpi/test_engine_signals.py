@@ -3,7 +3,9 @@
 The demo (4 steps, no periodic checkpoint) runs with its `hf` engines (the rollout rank's and the
 GenRM judge's) wrapped in tests/programs/spawning_engine.py, which at start spawns a child (`spawn`:
 the child re-runs the rank's main module, yatt_hpc.runtime.worker), takes SIGTERM with a handler
-that SIGKILLs the child and the rank, and sets a wakeup fd of its own. Once step 2 begins (the rollout rank logs it):
+that SIGKILLs the child and the rank, and sets a wakeup fd of its own. Over it,
+tests/programs/held_engine.py holds step 2's rollout until the rank's stop signal, so the signal
+always lands in step 2 (steps of ~0.1 s had left it one step of slack). Once step 2's rollout holds:
 
   * SIGTERM to the rollout rank and to the engine children, as Slurm's preemption SIGTERMs every
     process of the step; without StopFlag.reclaim the engine's handler would kill the rank (and
@@ -11,7 +13,7 @@ that SIGKILLs the child and the rank, and sets a wakeup fd of its own. Once step
   * SIGUSR2 to the launcher, which mpirun passes on to every rank's process group, the engine
     child included (Open MPI's odls_base_signal_direct_children_only=false).
 
-Either way the ranks agree to stop at the next step boundary, commit that step's checkpoint, write
+Either way the ranks agree to stop at step 2's boundary, commit its checkpoint, write
 the stop record and exit 0, as the run with the plain `hf` engine does; each child held the signal
 (pending, blocked) and never imported mpi4py although it inherited its rank's MPI identity.
 """
@@ -24,10 +26,12 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, full_matrix_only, kill_leftovers, leftover_pids, mpi_env, tree_pids, wait_for_log_line
+from tests.conftest import REPO, full_matrix_only, kill_leftovers, leftover_pids, mpi_env, tree_pids, wait_for_file
 from tests.mpi.test_exact_resume import finished_steps
 from tests.mpi.test_faults import rank_pid
+from tests.programs.held_engine import held_env, holding_marker
 from tests.programs.signal_probe import pending_and_blocked
+from yatt_hpc.rollout.engine import TEST_WRAPPER_ENV
 
 STEPS, ROLLOUT_RANK, ENGINE_RANKS = 4, 2, [2, 3]  # the demo: trainers 0-1, rollout 2, GenRM 3 (its judge engine)
 ARGS = ["--set", f"train.steps={STEPS}", "--set", "train.prompts_per_step=8", "--set", "rollout.samples_per_prompt=4",
@@ -45,9 +49,11 @@ def run_dir(tmp_path):
 
 
 def start(run_dir, engine_dir, spawning: bool):
-    env = mpi_env()
+    """Start the run; step 2's rollout holds until the rank's stop signal (tests/programs/held_engine.py),
+    so the signal lands in step 2 however fast the steps are (over the spawning stand-in if `spawning`)."""
+    env = mpi_env() | held_env(engine_dir, "signal")
     if spawning:
-        env.update(YATT_TEST_ENGINE_WRAPPER=WRAPPER, YATT_TEST_ENGINE_DIR=str(engine_dir))
+        env[TEST_WRAPPER_ENV] = f"{WRAPPER},{env[TEST_WRAPPER_ENV]}"
     argv = [sys.executable, "-m", "yatt_hpc.cli", "run", str(REPO / "configs/demo_cpu.yaml"), "--run-dir", str(run_dir),
             *ARGS]
     return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -89,7 +95,7 @@ def test_a_stop_signal_with_an_engine_that_spawns_and_takes_sigterm_still_saves_
     deadline = started + 300
     pid = rank_pid(run_dir, ROLLOUT_RANK, proc.pid, deadline)
     log_path = run_dir / "logs" / f"rank-{ROLLOUT_RANK:04d}-rollout.log"
-    wait_for_log_line(log_path, "step 2 begins", alive=lambda: proc.poll() is None)
+    wait_for_file(holding_marker(engine_dir), alive=lambda: proc.poll() is None)  # in step 2, until the signal
     children = engine_children(engine_dir, proc.pid) if spawning else []
     if how == "rank":
         for target in [pid] + [c["pid"] for c in children]:
@@ -106,7 +112,7 @@ def test_a_stop_signal_with_an_engine_that_spawns_and_takes_sigterm_still_saves_
     assert proc.returncode == 0, out[-3000:]
     record = json.loads((run_dir / "logs" / "stop_local_0.json").read_text())
     step = record["step"]
-    assert step in (2, 3) and not record["abandoned"], record  # the boundary after the step the signal hit
+    assert step == 2 and not record["abandoned"], record  # the boundary after the step the signal hit
     assert (run_dir / "checkpoints" / f"step-{step}" / "COMMITTED").exists(), f"checkpoint step-{step} not committed"
     assert finished_steps(run_dir) == step and "run the same command again to resume" in out, out[-3000:]
     assert leftover_pids(before) == [], "processes of the stopped run (the engine child?) are still alive"

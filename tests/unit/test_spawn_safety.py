@@ -98,3 +98,6 @@ def test_the_engine_test_hook_takes_only_classes_under_tests_programs():
     assert maybe_wrap_for_tests(engine, "hf", {}) is engine
     with pytest.raises(ValueError, match="tests.programs.<module>:<class>; unset YATT_TEST_ENGINE_WRAPPER"):
         maybe_wrap_for_tests(engine, "hf", {TEST_WRAPPER_ENV: "yatt_hpc.rollout.hf_engine:HFEngine"})
+    with pytest.raises(ValueError, match="'yatt_hpc.rollout.hf_engine:HFEngine': this test hook takes"):  # any in a list
+        maybe_wrap_for_tests(engine, "hf", {TEST_WRAPPER_ENV: "tests.programs.held_engine:HeldEngine,"
+                                                              "yatt_hpc.rollout.hf_engine:HFEngine"})

@@ -285,20 +285,22 @@ def build_engine(kind: str, model_dir: str, *, device: str, tp_size: int, seed: 
 
 
 def maybe_wrap_for_tests(engine: BaseEngine, kind: str, environ: Mapping[str, str] = os.environ) -> BaseEngine:
-    """``YATT_TEST_ENGINE_WRAPPER=tests.programs.MODULE:CLASS`` returns ``CLASS(engine)`` instead of ``engine``.
+    """``YATT_TEST_ENGINE_WRAPPER=tests.programs.MODULE:CLASS`` returns ``CLASS(engine)`` instead of ``engine``
+    (a comma-separated list wraps in its order: ``A,B`` gives ``B(A(engine))``).
 
     For tests of how a rank lives with an engine's process habits (tests/programs/spawning_engine.py
     starts a child and takes SIGTERM, as SGLang does) without a GPU, and of a step that cannot end by
     itself (tests/programs/held_engine.py). Only classes under
     ``tests.programs`` are accepted, which no installed package ships, and the rank's log says so.
     """
-    spec = environ.get(TEST_WRAPPER_ENV)
-    if not spec:
-        return engine
-    module, _, name = spec.partition(":")
-    if not module.startswith("tests.programs.") or not name:
-        raise ValueError(f"{TEST_WRAPPER_ENV}={spec!r}: this test hook takes tests.programs.<module>:<class>; "
-                         f"unset {TEST_WRAPPER_ENV} to run the configured engine alone")
-    wrapper = getattr(importlib.import_module(module), name)
-    log.warning("test hook %s=%s: the %r engine runs wrapped in %s", TEST_WRAPPER_ENV, spec, kind, name)
-    return wrapper(engine)
+    specs = [spec.strip() for spec in environ.get(TEST_WRAPPER_ENV, "").split(",") if spec.strip()]
+    for spec in specs:
+        module, _, name = spec.partition(":")
+        if not module.startswith("tests.programs.") or not name:
+            raise ValueError(f"{TEST_WRAPPER_ENV}={spec!r}: this test hook takes tests.programs.<module>:<class>; "
+                             f"unset {TEST_WRAPPER_ENV} to run the configured engine alone")
+    for spec in specs:
+        module, _, name = spec.partition(":")
+        log.warning("test hook %s=%s: the %r engine runs wrapped in %s", TEST_WRAPPER_ENV, spec, kind, name)
+        engine = getattr(importlib.import_module(module), name)(engine)
+    return engine
