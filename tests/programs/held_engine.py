@@ -8,8 +8,9 @@ its size is long only on a slow enough machine (the Slurm requeue test's 64 x 16
 here once the engine got faster, under its 1 s grace; a preemption that had 14 steps of ~0.09 s to
 land in landed with 7 to spare); this one cannot end by itself. The configured engine does the work
 until it serves weight version YATT_TEST_HOLD_AT_VERSION (default 1: the end of step 1, as rollout
-ranks take fresh weights after generating, so version N is step N+1's rollout); that `generate`
-writes DIR/holding (the event a test waits for before it stops the run) and holds:
+ranks take fresh weights after generating, so in a fresh run version N is step N+1's rollout; a
+resumed run's engine first takes the restored weights as version 1); that `generate` writes
+DIR/holding (the event a test waits for before it stops the run) and holds:
 
 * until the process ends (YATT_TEST_HOLD_UNTIL=stopped, the default): the stop watchdog gives the step
   up and ends the rank (tests of checkpoint.stop_grace_s);
@@ -18,7 +19,7 @@ writes DIR/holding (the event a test waits for before it stops the run) and hold
 * until the test writes DIR/release (=released, `release(DIR)`): a fault test kills or stops a rank of
   a run that cannot have ended, then lets the others go on (a hold far shorter than a stall timeout).
 
-Either way the hold is bounded (HOLD_LIMIT_S), so an event that never comes fails the test instead of
+Whichever the end, the hold is bounded (HOLD_LIMIT_S), so an event that never comes fails the test instead of
 hanging it, and `abort` does not end it. An engine built while DIR/holding exists does not hold: a
 requeued or resumed run in the same DIR runs through. The judge's engine never takes weights, so it
 never holds. Holding changes no number: a held run's weights are those of a run never held.

@@ -12,7 +12,7 @@
 (e) `yatt-hpc cancel`: the ranks save at the SIGTERM and the job ends CANCELLED, not requeued (a stop
     signal otherwise requeues: scancel's SIGTERM brought the job back before cancel disabled requeueing).
 
-(a), (b), (d) and (e) stop the run in a step held open until the stop arrives (`held`: the rollout
+(a)-(e) stop the run in a step held open until the stop arrives (`held`: the rollout
 engine wrapped in tests/programs/held_engine.py), never in a step that is merely long enough: steps
 got ~10x shorter over time, and a stop sent after "step 6 finished" could find the run done.
 """
@@ -44,13 +44,6 @@ SLURM_ARGS = ("slurm.env.OMPI_MCA_btl=self,tcp", "slurm.time=00:30:00", "slurm.m
 def finished_steps(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def wait_steps(run_dir: Path, n: int, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while finished_steps(run_dir) < n:
-        assert time.monotonic() < deadline, f"run did not reach step {n}: {finished_steps(run_dir)}"
-        time.sleep(0.2)
 
 
 def restart_count(run_dir: Path, job_id: str) -> int:
@@ -141,8 +134,8 @@ def test_cancel_saves_and_ends_the_job_without_a_requeue(slurm_cluster, tmp_path
 @full_matrix_only  # kill + resubmit is tests/slurm/test_faults.py's, exact weights after a kill test_exact_resume.py's
 def test_sigkilled_job_resumes_from_periodic_checkpoint_after_resubmission(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
-    sub = submit(run_dir)
-    wait_steps(run_dir, 10)
+    sub = submit(run_dir, *held(tmp_path / "held", "stopped", at_version=10))
+    wait_for_file(holding_marker(tmp_path / "held"), timeout_s=240)  # step 11 holds until the kill
     # SIGKILL to every rank at once, each found by the pid it logged and checked to be this job's
     # (`scancel --signal=KILL` would be a graceful cancel: SIGTERM first, and the ranks would save)
     pids = [job_rank_pid(run_dir, rank, sub.job_id, time.monotonic() + 60) for rank in range(4)]
