@@ -33,7 +33,8 @@ import threading
 import time
 from pathlib import Path
 
-from yatt_hpc.rollout.engine import TEST_WRAPPER_ENV, BaseEngine
+from tests.programs.wrapped_engine import WrappedEngine
+from yatt_hpc.rollout.engine import TEST_WRAPPER_ENV
 from yatt_hpc.runtime.signals import StopFlag
 
 DIR_ENV = "YATT_TEST_ENGINE_DIR"
@@ -70,9 +71,9 @@ def _stop_flag() -> StopFlag:
     return flag
 
 
-class HeldEngine(BaseEngine):
-    def __init__(self, inner: BaseEngine) -> None:
-        self.inner = inner
+class HeldEngine(WrappedEngine):
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
         self._marker = holding_marker(os.environ[DIR_ENV])
         self._at_version = int(os.environ.get(AT_VERSION_ENV, "1"))
         self._until = os.environ.get(UNTIL_ENV, "stopped")
@@ -82,15 +83,11 @@ class HeldEngine(BaseEngine):
         log.warning("held stand-in engine: %s", f"armed: the rollout on weights version {self._at_version} holds "
                     f"until {UNTIL[self._until]}" if self._armed else f"{self._marker} exists: runs through")
 
-    @property
-    def reports_while_decoding(self) -> bool:
-        return self.inner.reports_while_decoding
-
     def generate(self, requests, on_result=None, on_step=None):
         if self._armed and self.inner.weight_version >= self._at_version:
             self._armed = False
             self._hold()
-        return self.inner.generate(requests, on_result, on_step)
+        return super().generate(requests, on_result, on_step)
 
     def _hold(self) -> None:
         flag = _stop_flag() if self._until == "signal" else None
@@ -113,28 +110,3 @@ class HeldEngine(BaseEngine):
                             f"signal {flag.signum} arrived" if flag is not None else "released")
                 return
         raise RuntimeError(f"held stand-in engine: no end to the hold ({UNTIL[self._until]}) within {HOLD_LIMIT_S:g} s")
-
-    def abort(self) -> None:
-        self.inner.abort()
-
-    def update_weights(self, named_tensors, *, final: bool, version: int | None = None) -> None:
-        self.inner.update_weights(named_tensors, final=final, version=version)
-
-    def join_weight_group(self, rendezvous) -> None:
-        self.inner.join_weight_group(rendezvous)
-
-    def update_weights_from_group(self, manifest, *, version: int | None = None) -> None:
-        self.inner.update_weights_from_group(manifest, version=version)
-
-    @property
-    def weight_version(self) -> int:
-        return self.inner.weight_version
-
-    def release_memory(self) -> None:
-        self.inner.release_memory()
-
-    def resume_memory(self) -> None:
-        self.inner.resume_memory()
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()

@@ -25,15 +25,15 @@ import socket
 from pathlib import Path
 
 from tests.programs import engine_child
-from yatt_hpc.rollout.engine import BaseEngine
+from tests.programs.wrapped_engine import WrappedEngine
 
 DIR_ENV = "YATT_TEST_ENGINE_DIR"
 log = logging.getLogger(__name__)
 
 
-class SpawningEngine(BaseEngine):
-    def __init__(self, inner: BaseEngine) -> None:
-        self.inner = inner
+class SpawningEngine(WrappedEngine):
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
         multiprocessing.set_start_method("spawn", force=True)
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_end = ctx.Pipe()
@@ -65,42 +65,28 @@ class SpawningEngine(BaseEngine):
             raise RuntimeError(f"the engine child {self._child.pid} died (exit code {self._child.exitcode}); "
                                "SGLang's subprocess watchdog would take this rank down")
 
-    @property
-    def reports_while_decoding(self) -> bool:
-        return self.inner.reports_while_decoding
-
     def generate(self, requests, on_result=None, on_step=None):
         self._check_child()
-        return self.inner.generate(requests, on_result, on_step)
-
-    def abort(self) -> None:
-        self.inner.abort()
+        return super().generate(requests, on_result, on_step)
 
     def update_weights(self, named_tensors, *, final: bool, version: int | None = None) -> None:
         self._check_child()
-        self.inner.update_weights(named_tensors, final=final, version=version)
+        super().update_weights(named_tensors, final=final, version=version)
 
     def join_weight_group(self, rendezvous) -> None:
         self._check_child()
-        self.inner.join_weight_group(rendezvous)
+        super().join_weight_group(rendezvous)
 
     def update_weights_from_group(self, manifest, *, version: int | None = None) -> None:
         self._check_child()
-        self.inner.update_weights_from_group(manifest, version=version)
-
-    @property
-    def weight_version(self) -> int:
-        return self.inner.weight_version
-
-    def release_memory(self) -> None:
-        self.inner.release_memory()
+        super().update_weights_from_group(manifest, version=version)
 
     def resume_memory(self) -> None:
         self._check_child()
-        self.inner.resume_memory()
+        super().resume_memory()
 
     def shutdown(self) -> None:
         if self._child.is_alive():
             self._child.kill()  # SIGKILL, as kill_process_tree: a shielded child ignores terminate()'s SIGTERM
         self._child.join(timeout=30)
-        self.inner.shutdown()
+        super().shutdown()
