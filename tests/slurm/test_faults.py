@@ -34,7 +34,7 @@ RANK_OF = {"trainer": 1, "rollout": 2, "genrm": 3}
 def submit(run_dir, mode, held=None, at_version: int = 1) -> str:
     """Submit the run; `held`: a directory, and the rollout on weights version `at_version` holds
     until `release(held)` (tests/programs/held_engine.py)."""
-    env = {"PYTHONPATH": str(REPO)} | held_env(held, "released", at_version) if held is not None else {}
+    env = ({"PYTHONPATH": str(REPO)} | held_env(held, "released", at_version)) if held is not None else {}
     sets = [a for kv in (*ARGS, f"placement.mode={mode}", *(f"slurm.env.{k}={v}" for k, v in env.items()))
             for a in ("--set", kv)]
     proc = subprocess.run([PYTHON, "-m", "yatt_hpc.cli", "submit", DEMO, "--run-dir", str(run_dir), *sets],
