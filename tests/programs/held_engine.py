@@ -33,11 +33,10 @@ import threading
 import time
 from pathlib import Path
 
-from tests.programs.wrapped_engine import WrappedEngine
+from tests.programs.wrapped_engine import DIR_ENV, WrappedEngine
 from yatt_hpc.rollout.engine import TEST_WRAPPER_ENV
 from yatt_hpc.runtime.signals import StopFlag
 
-DIR_ENV = "YATT_TEST_ENGINE_DIR"
 AT_VERSION_ENV = "YATT_TEST_HOLD_AT_VERSION"
 UNTIL_ENV = "YATT_TEST_HOLD_UNTIL"
 UNTIL = {"stopped": "the rank is stopped", "signal": "the rank's stop signal", "released": "the test releases it"}

@@ -25,9 +25,8 @@ import socket
 from pathlib import Path
 
 from tests.programs import engine_child
-from tests.programs.wrapped_engine import WrappedEngine
+from tests.programs.wrapped_engine import DIR_ENV, WrappedEngine
 
-DIR_ENV = "YATT_TEST_ENGINE_DIR"
 log = logging.getLogger(__name__)
 
 

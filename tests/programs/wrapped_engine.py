@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from yatt_hpc.rollout.engine import BaseEngine
 
+DIR_ENV = "YATT_TEST_ENGINE_DIR"
+"""The directory a wrapper reports to (a spawned child's report, a hold's files)."""
+
 
 class WrappedEngine(BaseEngine):
     def __init__(self, inner: BaseEngine) -> None:
