@@ -10,6 +10,9 @@
 # spool and TmpFS (PMIx temp dirs collide otherwise). Heterogeneous jobs need >1 node: each
 # het component lands on its own node. Open MPI + PMIx from Debian so `srun --mpi=pmix` works.
 # Idempotent: installs only missing packages and starts only daemons that are not running.
+# A controller that died with its jobs (machine reset, CI killed) is started clean: with no slurmd
+# or slurmstepd alive no saved job can still be running, and recovering them would hold the nodes
+# "allocated" forever. Job ids go on from the accounting database, so sacct never mixes two runs.
 # Partitions: `debug` (default, preemptible with REQUEUE, GraceTime 10 s) and `high` (preempts debug).
 set -euo pipefail
 
@@ -24,7 +27,12 @@ T0=$(date +%s)
 
 say() { echo "[slurm-dev-cluster $(( $(date +%s) - T0 ))s] $*"; }
 die() { echo "slurm-dev-cluster: $*" >&2; exit 1; }
-running() { [ -f "$1" ] && kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null; }
+# running PIDFILE: the daemon that wrote it is alive (a pid file that survived a reset can name a
+# reused pid: the process must also be a Slurm/munge/MariaDB daemon)
+running() {
+  local pid; [ -f "$1" ] && pid=$(cat "$1" 2>/dev/null) && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 1
+  case "$(cat "/proc/$pid/comm" 2>/dev/null)" in slurm*|munged|mariadbd|mysqld) return 0 ;; *) return 1 ;; esac
+}
 wait_until() { # wait_until SECONDS CMD... — poll CMD every 0.2 s
   local deadline=$(( $(date +%s) + $1 )); shift
   until "$@" >/dev/null 2>&1; do
@@ -78,6 +86,7 @@ JobCompType=jobcomp/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
+FirstJobId=1
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1,sched_interval=2,bf_hetjob_immediate
 MpiDefault=none
@@ -156,6 +165,32 @@ CONF
   sacctmgr -n -P list cluster format=cluster 2>/dev/null | grep -qx "$CLUSTER" || sacctmgr -i add cluster "$CLUSTER" >/dev/null
 }
 
+# The next job id the controller saved (accounting can lag it: a job submitted just before the
+# controller died may not be recorded yet). Its job_state file opens with a u32 length and
+# "PROTOCOL_VERSION\0", a u16 protocol version, a u64 time, then the u32 next job id, big-endian.
+saved_next_job_id() {
+  local f=/var/spool/slurmctld/job_state
+  [ "$(head -c 21 "$f" 2>/dev/null | tail -c 17 | tr -d '\0')" = PROTOCOL_VERSION ] || return 0
+  od -An -tu4 --endian=big -j31 -N4 "$f" | tr -d ' '
+}
+
+# Start the controller; clean (-c) when it saved jobs that nothing on this machine still runs.
+start_controller() {
+  running /run/slurmctld.pid && return 0
+  local clean=()
+  if [ -e /var/spool/slurmctld/job_state ] && ! pgrep -x slurmstepd >/dev/null && ! pgrep -x slurmd >/dev/null; then
+    clean=(-c); say "no slurmd or slurmstepd runs here: starting slurmctld clean (a job it saved is gone)"
+  fi
+  # ids go on after the last one handed out (also after a clean start), or sacct mixes two jobs
+  local last saved
+  last=$(sacct -a -X -n -P -D -o JobIDRaw -S 2000-01-01 -E now 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -n 1 || true)
+  saved=$(saved_next_job_id)
+  last=$(( ${last:-0} + 1 )); [ "${saved:-0}" -gt "$last" ] && last=$saved
+  sed -i "s/^FirstJobId=.*/FirstJobId=$last/" /etc/slurm/slurm.conf
+  /usr/sbin/slurmctld "${clean[@]}"
+  say "slurmctld up"
+}
+
 all_idle() { [ "$(scontrol -o show nodes 2>/dev/null | grep -c 'State=IDLE')" -ge "$NODES" ]; }
 
 start() {
@@ -167,10 +202,10 @@ start() {
   for i in $(seq 1 "$NODES"); do mkdir -p "/var/spool/slurmd/n$i/tmp"; chmod 1777 "/var/spool/slurmd/n$i/tmp"; done
   start_munge
   start_accounting
-  running /run/slurmctld.pid || { /usr/sbin/slurmctld; say "slurmctld up"; }
+  start_controller
   for i in $(seq 1 "$NODES"); do running "/run/slurmd-n$i.pid" || /usr/sbin/slurmd -N "n$i"; done
   if ! wait_until "$READY_TIMEOUT" all_idle; then
-    sinfo -N >&2 || true; tail -n 20 "$LOG/slurmctld.log" >&2 || true
+    sinfo -N >&2 || true; squeue >&2 || true; tail -n 20 "$LOG/slurmctld.log" >&2 || true
     die "nodes not idle after ${READY_TIMEOUT}s"
   fi
   say "ready: $(sinfo -h -p debug -o '%D nodes %T')"
