@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.unit.same_update import assert_same_update, linear_steps, parameters
 from yatt_hpc.batch import SampleBatch, image_columns
 from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.demo.tiny_vlm import IMAGE_PAD_ID, save_tiny_vlm, tiny_qwen2_vl
@@ -163,10 +164,9 @@ def test_shared_prompt_update_on_image_prompts_equals_the_padded_update(vlm_dir,
     batch.response_len = np.array([len(r) for r in responses], np.int32)
     batch.logprobs = np.full(int(batch.response_len.sum()), -3.0, np.float32)
     adv, tokens = np.array([1.0, -1.0, 0.5, -0.5], np.float32), float(batch.response_len.sum())
-    a, b = shared.update(batch, adv, tokens), padded.update(batch, adv, tokens)
+    before = parameters(padded)
+    a, b = linear_steps(shared).update(batch, adv, tokens), linear_steps(padded).update(batch, adv, tokens)
     for key in ("loss", "entropy", "clip_frac", "grad_norm", "tokens", "logp_diff_max"):
         assert getattr(a, key) == pytest.approx(getattr(b, key), rel=1e-4, abs=1e-6), key
     assert 0 < sum(embedded["shared"]) < sum(embedded["padded"])
-    theirs = dict(padded.model.named_parameters())
-    for name, p in shared.model.named_parameters():  # AdamW: a tenth of one lr=1e-2 step
-        torch.testing.assert_close(p, theirs[name], atol=1e-3, rtol=0, msg=name)
+    assert_same_update(shared, padded, before)  # tests/unit/same_update.py
