@@ -12,7 +12,8 @@
 # Idempotent: installs only missing packages and starts only daemons that are not running.
 # A controller that died with its jobs (machine reset, CI killed) is started clean: with no slurmd
 # or slurmstepd alive no saved job can still be running, and recovering them would hold the nodes
-# "allocated" forever. Job ids go on from the accounting database, so sacct never mixes two runs.
+# "allocated" forever. Job ids go on past the last one handed out (the accounting database's and
+# the controller's saved state's), so sacct never mixes two jobs of one id.
 # Partitions: `debug` (default, preemptible with REQUEUE, GraceTime 10 s) and `high` (preempts debug).
 set -euo pipefail
 
@@ -184,7 +185,7 @@ start_controller() {
   # ids go on after the last one handed out (also after a clean start), or sacct mixes two jobs
   local last saved
   last=$(sacct -a -X -n -P -D -o JobIDRaw -S 2000-01-01 -E now 2>/dev/null | grep -E '^[0-9]+$' | sort -n | tail -n 1 || true)
-  saved=$(saved_next_job_id)
+  saved=$(saved_next_job_id || true)
   last=$(( ${last:-0} + 1 )); [ "${saved:-0}" -gt "$last" ] && last=$saved
   sed -i "s/^FirstJobId=.*/FirstJobId=$last/" /etc/slurm/slurm.conf
   /usr/sbin/slurmctld "${clean[@]}"
