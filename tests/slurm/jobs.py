@@ -6,6 +6,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.conftest import REPO
+from tests.programs.held_engine import held_env
+
 
 def sbatch(script: str, workdir: Path) -> str:
     path = workdir / "job.sbatch"
@@ -14,6 +17,14 @@ def sbatch(script: str, workdir: Path) -> str:
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, f"sbatch failed: {out.stderr}"
     return out.stdout.strip().split(";")[0]
+
+
+def held_overrides(directory: Path, until: str, at_version: int = 1) -> tuple[str, ...]:
+    """`slurm.env.*` overrides that make a submitted run's rollout on weights version `at_version`
+    (step at_version + 1) hold until `until` (tests/programs/held_engine.py): a run that cannot end
+    before the test acts on it."""
+    env = {"PYTHONPATH": str(REPO)} | held_env(directory, until, at_version)
+    return tuple(f"slurm.env.{name}={value}" for name, value in env.items())
 
 
 def job_rank_pid(run_dir: Path, rank: int, job: str, deadline: float) -> int:

@@ -18,8 +18,8 @@ import pytest
 
 from tests.conftest import PYTHON, REPO, full_matrix_only
 from tests.mpi.test_faults import assert_every_prompt_once
-from tests.programs.held_engine import held_env, release
-from tests.slurm.jobs import job_rank_pid
+from tests.programs.held_engine import release
+from tests.slurm.jobs import held_overrides, job_rank_pid
 from yatt_hpc.ckpt import layout
 from yatt_hpc.launch.jobs import top_states, wait_job
 
@@ -34,9 +34,8 @@ RANK_OF = {"trainer": 1, "rollout": 2, "genrm": 3}
 def submit(run_dir, mode, held=None, at_version: int = 1) -> str:
     """Submit the run; `held`: a directory, and the rollout on weights version `at_version` holds
     until `release(held)` (tests/programs/held_engine.py)."""
-    env = ({"PYTHONPATH": str(REPO)} | held_env(held, "released", at_version)) if held is not None else {}
-    sets = [a for kv in (*ARGS, f"placement.mode={mode}", *(f"slurm.env.{k}={v}" for k, v in env.items()))
-            for a in ("--set", kv)]
+    holds = held_overrides(held, "released", at_version) if held is not None else ()
+    sets = [a for kv in (*ARGS, f"placement.mode={mode}", *holds) for a in ("--set", kv)]
     proc = subprocess.run([PYTHON, "-m", "yatt_hpc.cli", "submit", DEMO, "--run-dir", str(run_dir), *sets],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -12,7 +12,7 @@
 (e) `yatt-hpc cancel`: the ranks save at the SIGTERM and the job ends CANCELLED, not requeued (a stop
     signal otherwise requeues: scancel's SIGTERM brought the job back before cancel disabled requeueing).
 
-(a)-(e) stop the run in a step held open until the stop arrives (`held`: the rollout
+(a)-(e) stop the run in a step held open until the stop arrives (`held_overrides`: the rollout
 engine wrapped in tests/programs/held_engine.py), never in a step that is merely long enough: steps
 got ~10x shorter over time, and a stop sent after "step 6 finished" could find the run done.
 """
@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from tests.conftest import PYTHON, REPO, checkpoint_weights, full_matrix_only, wait_for_file
-from tests.programs.held_engine import held_env, holding_marker
-from tests.slurm.jobs import job_rank_pid
+from tests.programs.held_engine import holding_marker
+from tests.slurm.jobs import held_overrides, job_rank_pid
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import wait_job
 from yatt_hpc.launch.submitit_exec import submit_run
@@ -64,13 +64,6 @@ def submit(run_dir: Path, *extra: str):
     return submit_run(cfg, plan(cfg), run_dir)
 
 
-def held(directory: Path, until: str, at_version: int = 1) -> tuple[str, ...]:
-    """Overrides that make the rollout of weights version `at_version` (step at_version + 1) hold until
-    `until` (tests/programs/held_engine.py): a run that cannot end before the test stops it."""
-    env = {"PYTHONPATH": str(REPO)} | held_env(directory, until, at_version)
-    return tuple(f"slurm.env.{name}={value}" for name, value in env.items())
-
-
 def assert_same_weights(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for name in a:
@@ -84,7 +77,7 @@ def logs(run_dir: Path) -> str:
 @full_matrix_only  # the requeue path of (a) and (d), triggered by hand
 def test_scontrol_requeue_mid_run_resumes_and_completes(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
-    sub = submit(run_dir, *held(tmp_path / "held", "signal", at_version=6))
+    sub = submit(run_dir, *held_overrides(tmp_path / "held", "signal", at_version=6))
     wait_for_file(holding_marker(tmp_path / "held"), timeout_s=240)  # step 7 holds until the signal
     subprocess.run(["scontrol", "requeue", sub.job_id], check=True)
     states = wait_job(sub.job_id, poll_s=1, timeout_s=400)
@@ -98,7 +91,7 @@ def test_scontrol_requeue_mid_run_resumes_and_completes(slurm_cluster, uninterru
 def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
     # step 7 holds until the preemption's signal: 14 steps of ~0.09 s had left it 7 to spare
-    sub = submit(run_dir, "slurm.partition=debug", *held(tmp_path / "held", "signal", at_version=6))
+    sub = submit(run_dir, "slurm.partition=debug", *held_overrides(tmp_path / "held", "signal", at_version=6))
     wait_for_file(holding_marker(tmp_path / "held"), timeout_s=240)
     # a job on the high-priority partition that needs every node preempts ours
     high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--nodes=4", "--time=2",
@@ -115,7 +108,7 @@ def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted
 
 def test_cancel_saves_and_ends_the_job_without_a_requeue(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
-    sub = submit(run_dir, "slurm.max_requeues=3", *held(tmp_path / "held", "signal"))
+    sub = submit(run_dir, "slurm.max_requeues=3", *held_overrides(tmp_path / "held", "signal"))
     wait_for_file(holding_marker(tmp_path / "held"), timeout_s=240)  # step 2 holds until the signal
     done = subprocess.run([str(Path(PYTHON).parent / "yatt-hpc"), "cancel", sub.job_id], capture_output=True,
                           text=True, timeout=60)
@@ -134,7 +127,7 @@ def test_cancel_saves_and_ends_the_job_without_a_requeue(slurm_cluster, tmp_path
 @full_matrix_only  # kill + resubmit is tests/slurm/test_faults.py's, exact weights after a kill test_exact_resume.py's
 def test_sigkilled_job_resumes_from_periodic_checkpoint_after_resubmission(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
-    sub = submit(run_dir, *held(tmp_path / "held", "stopped", at_version=10))
+    sub = submit(run_dir, *held_overrides(tmp_path / "held", "stopped", at_version=10))
     wait_for_file(holding_marker(tmp_path / "held"), timeout_s=240)  # step 11 holds until the kill
     # SIGKILL to every rank at once, each found by the pid it logged and checked to be this job's
     # (`scancel --signal=KILL` would be a graceful cancel: SIGTERM first, and the ranks would save)
@@ -159,7 +152,7 @@ def test_requeue_during_a_long_step_gives_it_up_within_the_grace(slurm_cluster, 
     # long enough until a step of them took 0.73 s, under the 1 s grace
     run_dir, held_dir = tmp_path / "run", tmp_path / "held"
     sub = submit(run_dir, "train.steps=3", "train.prompts_per_step=16", "rollout.samples_per_prompt=4",
-                 "checkpoint.interval=0", "checkpoint.stop_grace_s=1", *held(held_dir, "stopped"))
+                 "checkpoint.interval=0", "checkpoint.stop_grace_s=1", *held_overrides(held_dir, "stopped"))
     wait_for_file(holding_marker(held_dir), timeout_s=240)  # inside step 2, its rollout held
     sent = time.monotonic()
     subprocess.run(["scontrol", "requeue", sub.job_id], check=True)

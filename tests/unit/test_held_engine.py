@@ -5,6 +5,7 @@ import threading
 
 import pytest
 
+from tests.conftest import wait_for_file
 from tests.programs.held_engine import DIR_ENV, HeldEngine, held_env, holding_marker, release
 from yatt_hpc.rollout.engine import TEST_WRAPPER_ENV, maybe_wrap_for_tests
 
@@ -33,9 +34,7 @@ def test_the_rollout_on_the_chosen_weights_holds_until_released_then_runs_once(h
     out = []
     rollout = threading.Thread(target=lambda: out.append(engine.generate(["b"])), daemon=True)
     rollout.start()
-    while not holding_marker(held_dir).exists():  # the event the stop tests wait for
-        assert rollout.is_alive(), "the rollout ended without holding"
-        rollout.join(0.01)
+    wait_for_file(holding_marker(held_dir), timeout_s=30, alive=rollout.is_alive)  # what the stop tests wait for
     assert rollout.is_alive() and out == []
     release(held_dir)
     rollout.join(30)

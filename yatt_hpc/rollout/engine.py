@@ -294,13 +294,14 @@ def maybe_wrap_for_tests(engine: BaseEngine, kind: str, environ: Mapping[str, st
     ``tests.programs`` are accepted, which no installed package ships, and the rank's log says so.
     """
     specs = [spec.strip() for spec in environ.get(TEST_WRAPPER_ENV, "").split(",") if spec.strip()]
+    wrappers = []  # every entry checked before any is imported
     for spec in specs:
         module, _, name = spec.partition(":")
         if not module.startswith("tests.programs.") or not name:
             raise ValueError(f"{TEST_WRAPPER_ENV}={spec!r}: this test hook takes tests.programs.<module>:<class>; "
                              f"unset {TEST_WRAPPER_ENV} to run the configured engine alone")
-    for spec in specs:
-        module, _, name = spec.partition(":")
+        wrappers.append((spec, module, name))
+    for spec, module, name in wrappers:
         log.warning("test hook %s=%s: the %r engine runs wrapped in %s", TEST_WRAPPER_ENV, spec, kind, name)
         engine = getattr(importlib.import_module(module), name)(engine)
     return engine
