@@ -169,6 +169,17 @@ def _rows(starts: np.ndarray, lengths: np.ndarray, width: int) -> tuple[np.ndarr
 
 # ---------------------------------------------------------------------------------------- the forward
 
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`x[rows]` ([*rows.shape, *x.shape[1:]]) whose backward is bitwise reproducible on every thread count.
+
+    The stream's gathers repeat rows (a prompt's keys serve each sample of its group, its last token predicts
+    each sample's first response token). The backward of `x[rows]` adds the repeats with `index_put_(...,
+    accumulate=True)`, which PyTorch's CPU kernel runs with atomic float adds across threads once it passes
+    32,768 elements: the order of the adds, and so the last bits of the sum, change from run to run.
+    `index_select`'s backward is `index_add_`, which adds the rows in index order."""
+    return x.index_select(0, rows.reshape(-1)).view(*rows.shape, *x.shape[1:])
+
+
 _ACTIVE: list[SharedLayout] = []
 
 
@@ -233,14 +244,14 @@ class SharedPromptAttention(DotProductAttention):
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         prompt_out = self._attend(q, k, v, layout.prompt_rows, layout.prompt_rows, layout.prompt_mask)
         response_out = self._attend(q, k, v, layout.response_rows, layout.key_rows, layout.response_mask)
-        out = torch.cat([prompt_out, response_out])[layout.unpack]
+        out = gather_rows(torch.cat([prompt_out, response_out]), layout.unpack)
         return out.view(out.shape[0], 1, self.hidden_size_per_partition)
 
     def _attend(self, q, k, v, query_rows, key_rows, mask) -> torch.Tensor:
         """[rows * width, heads * d]: SDPA of the gathered queries over the gathered keys."""
         if query_rows.numel() == 0:
             return q.new_zeros(0, self.hidden_size_per_partition)
-        qs = q[query_rows].transpose(1, 2)  # [rows, heads, width, d]
-        ks, vs = k[key_rows].transpose(1, 2), v[key_rows].transpose(1, 2)
+        qs = gather_rows(q, query_rows).transpose(1, 2)  # [rows, heads, width, d]
+        ks, vs = gather_rows(k, key_rows).transpose(1, 2), gather_rows(v, key_rows).transpose(1, 2)
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.softmax_scale)
         return out.transpose(1, 2).reshape(-1, self.hidden_size_per_partition)
