@@ -88,5 +88,5 @@ def test_resume_restores_each_ranks_tensors_data_position_and_random_streams(run
 def test_tp2_checkpoint_exports_to_hf_with_the_original_logits(runs, tmp_path):
     from tests.mpi.convert_tp2_worker import tiny_hf_model
 
-    out = export_hf(runs["run_dir"], 3, tmp_path / "hf")
+    out = export_hf(runs["run_dir"], 3, tmp_path / "hf").out
     assert max_logit_diff(tiny_hf_model("gpt2-tied").eval(), out) <= TOLERANCE

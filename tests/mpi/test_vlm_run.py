@@ -131,7 +131,7 @@ def test_export_hf_of_a_vlm_checkpoint_loads_in_transformers_and_serves_images(i
     from yatt_hpc.rollout import GenerationRequest, build_engine
     from yatt_hpc.vision.processor import ImageProcessor
 
-    out = export_hf(straight, K, tmp_path / "hf")
+    out = export_hf(straight, K, tmp_path / "hf").out
     assert (out / "preprocessor_config.json").is_file() and (out / "tokenizer.json").is_file()
     exported = load(str(out / "model.safetensors"))
     model = AutoModelForImageTextToText.from_pretrained(out)

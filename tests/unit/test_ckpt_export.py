@@ -68,3 +68,59 @@ def test_export_without_the_original_model_dir_says_how_to_fix_it(tmp_path):
                  SharedState(config_yaml=f"model:\n  path: {tmp_path / 'gone'}\n"))
     with pytest.raises(CheckpointError, match="pass --model-dir"):
         export_hf(tmp_path, 1, tmp_path / "hf")
+
+
+def _trained_checkpoint(tmp_path):
+    """A tiny model whose config.json says bfloat16 (as released models' do), and a float32 checkpoint of it
+    after 'training' moved every weight by ~1e-5 of its size: below bfloat16's resolution (~4e-3)."""
+    import json
+
+    model_dir, run_dir = tmp_path / "model", tmp_path / "run"
+    original = write_tiny_model_dir(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    trained = tiny_hf_model("gpt2-tied")
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(1 + 1e-5 * torch.randn(p.shape, generator=gen))
+    with CheckpointManager(run_dir) as mgr:
+        mgr.save(4, RankState("trainer/dp0/tp0/pp0", {"dp": 0, "tp": 0, "pp": 0},
+                              model=hf_to_megatron(trained.state_dict(), trained.config, 0, 1)),
+                 SharedState(config_yaml=f"model:\n  path: {model_dir}\n"))
+    return original, trained.eval(), run_dir
+
+
+def test_a_plain_from_pretrained_loads_the_export_as_trained(tmp_path):
+    """No dtype argument: transformers loads what config.json says, so it must say float32."""
+    _, trained, run_dir = _trained_checkpoint(tmp_path)
+    done = export_hf(run_dir, 4, tmp_path / "hf")
+    assert done.dtype == "float32" and done.lost_in_cast is None
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+    assert [k for k, v in trained.state_dict().items() if not torch.equal(loaded.state_dict()[k], v)] == []
+    ids = torch.randint(0, trained.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = trained(ids).logits
+        assert ((loaded(ids).logits - want).abs().max() / want.abs().max()).item() <= TOLERANCE
+
+
+def test_a_bfloat16_export_says_so_and_warns_that_training_rounded_away(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from yatt_hpc.cli import main
+
+    original, _, run_dir = _trained_checkpoint(tmp_path)
+    result = CliRunner().invoke(main, ["ckpt", "export-hf", str(run_dir), "--step", "4", "--out",
+                                       str(tmp_path / "hf"), "--dtype", "bfloat16"])
+    assert result.exit_code == 0, result.output
+    assert "are back at their original value in bfloat16" in result.output
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    # what the warning measured: most trained weights are their original's bfloat16 rounding again
+    got = loaded.state_dict()
+    same = sum(int((got[k] == v.bfloat16()).sum()) for k, v in original.state_dict().items())
+    assert same / sum(v.numel() for v in original.state_dict().values()) > 0.9

@@ -86,6 +86,10 @@ def verify_cmd(run_dir: Path, step: int | None) -> None:
     sys.exit(1 if bad else 0)
 
 
+LOST_WARN = 0.01
+"""`export-hf --dtype` warns when this fraction of the trained changes rounds back to the original."""
+
+
 @ckpt.command("export-hf")
 @_DIR
 @click.option("--step", type=int, required=True, help="Checkpoint step to export.")
@@ -93,12 +97,18 @@ def verify_cmd(run_dir: Path, step: int | None) -> None:
               help="Output directory (HF layout: model.safetensors, config.json, tokenizer files).")
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Original HF model directory (default: model.path of the saved config).")
-def export_cmd(run_dir: Path, step: int, out: Path, model_dir: Path | None) -> None:
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Tensor dtype to write (default: the checkpoint's, float32); config.json says the same.")
+def export_cmd(run_dir: Path, step: int, out: Path, model_dir: Path | None, dtype: str | None) -> None:
     """Merge the tensor-parallel shards of one checkpoint into a Hugging Face model directory."""
     from yatt_hpc.ckpt.export_hf import export_hf
 
     try:
-        export_hf(run_dir, step, out, model_dir)
+        done = export_hf(run_dir, step, out, model_dir, dtype)
     except CheckpointError as err:
         raise CkptUserError(str(err)) from None
-    click.echo(f"exported step {step} to {out}")
+    if done.lost_in_cast is not None and done.lost_in_cast >= LOST_WARN:
+        click.echo(f"warning: {done.lost_in_cast:.0%} of the weights training changed are back at their original "
+                   f"value in {done.dtype} (the changes are below its resolution); export without --dtype "
+                   "to keep them in float32", err=True)
+    click.echo(f"exported step {step} to {out} ({done.dtype})")

@@ -4,15 +4,25 @@
     export_hf(run_dir, step=20, out=Path("hf"), model_dir=None)    # the same, from Python
 
 Gathers every tensor-parallel shard (``model-tp{t}-pp0.safetensors``), merges them with
-``yatt_hpc.train.convert.megatron_to_hf`` and writes ``model.safetensors``. ``config.json``,
-``generation_config.json`` and the tokenizer files are copied from the original model directory,
-``model.path`` of the config saved in the checkpoint (or ``model_dir`` when given).
+``yatt_hpc.train.convert.megatron_to_hf`` and writes ``model.safetensors``. ``generation_config.json``
+and the tokenizer files are copied from the original model directory, ``model.path`` of the config saved
+in the checkpoint (or ``model_dir`` when given); so is ``config.json``, with its dtype set to the dtype
+of the tensors written, so that a plain ``from_pretrained(out)`` loads the model as it was trained.
+
+Checkpoints hold full-precision (float32) weights, the masters of a bf16 run included, and the export
+keeps them unless ``dtype`` says otherwise. RL moves weights little: at a learning rate of 1e-6 most
+updates are far below bfloat16's resolution (8 bits of mantissa), so a bf16 export can round most of
+what training changed back to the original weights. ``export_hf`` measures that against the original
+weights and returns it (`Export.lost_in_cast`); the CLI warns when it is not negligible.
 """
 from __future__ import annotations
 
+import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
@@ -46,8 +56,19 @@ def _ordered_tp_shards(step_dir: Path) -> list[Path]:
     return [shards[tp, 0] for tp in tps]
 
 
-def export_hf(run_dir: str | Path, step: int, out: str | Path, model_dir: str | Path | None = None) -> Path:
-    """Write ``out/model.safetensors`` + config and tokenizer files; return ``out``."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Export:
+    out: Path
+    dtype: str                 # of every floating-point tensor written, and config.json's
+    lost_in_cast: float | None  # of the trained changes, the fraction the cast rounded away (None: no cast)
+
+
+def export_hf(run_dir: str | Path, step: int, out: str | Path, model_dir: str | Path | None = None,
+              dtype: str | None = None) -> Export:
+    """Write ``out/model.safetensors`` (in ``dtype``, default the checkpoint's) + config and tokenizer files."""
     from transformers import AutoConfig
 
     from yatt_hpc.train.convert import megatron_to_hf
@@ -66,10 +87,63 @@ def export_hf(run_dir: str | Path, step: int, out: str | Path, model_dir: str | 
     hf_config = AutoConfig.from_pretrained(src)
     shards = [load_file(str(p)) for p in _ordered_tp_shards(step_dir)]
     hf_sd = megatron_to_hf(shards, hf_config, emit_tied_lm_head=False)
+    stored = _float_dtype(hf_sd)
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    target = dtype or stored
+    lost = None
+    if target != stored:
+        cast = {k: v.to(DTYPES[target]) if v.is_floating_point() else v for k, v in hf_sd.items()}
+        lost = _changes_lost(hf_sd, cast, src)
+        hf_sd = cast
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(hf_sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     for item in sorted(src.iterdir()):
-        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
+        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "config.json":
             shutil.copy2(item, out / item.name)
-    return out
+    config = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(_with_dtype(config, target), indent=2, sort_keys=True) + "\n")
+    return Export(out, target, lost)
+
+
+def _float_dtype(state: dict[str, torch.Tensor]) -> str:
+    """The one floating-point dtype of a checkpoint's tensors, by its config.json name."""
+    found = {v.dtype for v in state.values() if v.is_floating_point()}
+    names = sorted(name for name, d in DTYPES.items() if d in found)
+    if len(names) != 1 or len(found) != 1:
+        raise CheckpointError(f"the checkpoint's tensors are of {sorted(map(str, found))}, not one of "
+                              f"{', '.join(DTYPES)}; pass --dtype to write one")
+    return names[0]
+
+
+def _with_dtype(config: dict, dtype: str) -> dict:
+    """`config` with its dtype (transformers 5: `dtype`; earlier: `torch_dtype`) and any sub-config's set
+    to `dtype`: with neither given, from_pretrained loads in what the config says."""
+    config = {k: _with_dtype(v, dtype) if isinstance(v, dict) and "model_type" in v else v
+              for k, v in config.items()}
+    config["dtype"] = dtype
+    if "torch_dtype" in config:
+        config["torch_dtype"] = dtype
+    return config
+
+
+def _changes_lost(trained: dict[str, torch.Tensor], cast: dict[str, torch.Tensor], src: Path) -> float | None:
+    """Of the elements training changed (trained != the original model's), the fraction whose cast equals
+    the cast original: changes the lower precision cannot hold. None when the original's weights cannot
+    be read (no safetensors files, or damaged ones); elements under other names are not counted."""
+    original: dict[str, torch.Tensor] = {}
+    try:
+        for path in sorted(src.glob("*.safetensors")):
+            original.update(load_file(str(path)))
+    except (OSError, ValueError):
+        return None
+    changed = lost = 0
+    for name, value in trained.items():
+        before = original.get(name)
+        if before is None or before.shape != value.shape or not value.is_floating_point():
+            continue
+        moved = value != before.to(value.dtype)
+        changed += int(moved.sum())
+        lost += int((moved & (cast[name] == before.to(cast[name].dtype))).sum())
+    return lost / changed if changed else 0.0
