@@ -26,6 +26,7 @@ import pytest
 
 from tests.conftest import REPO, mpi_env
 from yatt_hpc.ckpt import layout
+from yatt_hpc.ckpt.manifest import verify_step
 
 STEPS, PROMPTS, N, DP, ROLLOUT_RANKS = 3, 8, 4, 2, 2
 COMMON = {"placement.mode": "partial", "placement.rollout.tasks_per_node": ROLLOUT_RANKS, "train.steps": STEPS,
@@ -34,7 +35,7 @@ COMMON = {"placement.mode": "partial", "placement.rollout.tasks_per_node": ROLLO
 SET = {"checkpoint.keep_last": 2, "checkpoint.async": "false", "logging.level": "WARNING",
        "logging.progress": "true", "rollout.routing": "least_loaded", "rollout.stream_queue": 1,
        "rollout.weight_sync_bucket_mb": 0.01, "train.balance": "none"}
-OTHER = {"checkpoint.keep_last": 5, "checkpoint.async": "true", "logging.level": "INFO",
+OTHER = {"checkpoint.keep_last": 5, "checkpoint.async": "true", "checkpoint.staging_mb": 0, "logging.level": "INFO",
          "logging.progress": "false", "rollout.routing": "static", "rollout.stream_queue": 4,
          "rollout.weight_sync_bucket_mb": 64, "train.balance": "flops"}
 
@@ -84,16 +85,24 @@ def test_keep_last_keeps_the_newest_committed_checkpoints(runs):
 
 
 def test_async_false_commits_before_the_next_step_and_async_true_writes_in_the_background(runs):
+    """(and checkpoint.staging_mb=0: no staging copy, the tensors written before the step goes on)"""
     # checkpoint.async=false: checkpoint step 2 is committed before the leader starts step 3 (its
     # marker's time precedes every phase of that step in the leader's timeline: an order, not a duration)
     marker = json.loads((layout.step_dir(layout.checkpoints_dir(runs["set"].dir), 2) / layout.COMMIT_MARKER).read_text())
     third = [ev["start"] for ev in runs["set"].timeline("rank-0000-trainer.jsonl") if ev["step"] == 2]
     assert third and marker["created"] < min(third)
-    # checkpoint.async=true: every rank hands each save to the writer thread
+    # checkpoint.async=true: every rank hands each save to the writer thread; with checkpoint.staging_mb=0 a
+    # trainer rank keeps no copy: it writes its tensors before the step goes on, the writer commits
     for name, text in runs["other"].logs().items():
         for step in range(1, STEPS + 1):
-            assert f"checkpoint step {step} snapshot taken; the writer thread writes it in the background" in text, name
+            if "trainer" in name:
+                assert re.search(rf"checkpoint step {step}: \d+ tensors past checkpoint.staging_mb written before the "
+                                 "step went on; the writer thread writes the rest in the background", text), name
+            else:
+                assert f"checkpoint step {step} snapshot taken; the writer thread writes it in the background" in text, name
         assert "written and committed before the step ended" not in text, name
+    for step in range(1, STEPS + 1):
+        assert verify_step(layout.step_dir(layout.checkpoints_dir(runs["other"].dir), step)) is None
 
 
 def test_logging_level_warning_hides_the_info_lines_of_every_rank(runs):

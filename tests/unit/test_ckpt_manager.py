@@ -258,3 +258,40 @@ print("torch imported:", "torch" in sys.modules)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "torch imported: False"
+
+
+@pytest.mark.parametrize("cap", [pytest.param(0, id="no-copy"), pytest.param(9000, id="part"),
+                                 pytest.param(None, id="uncapped")])
+def test_a_capped_staging_holds_at_most_the_cap_and_saves_the_same_files(tmp_path, cap):
+    """w (8 KiB) and b fit a 9000-byte cap, the optimizer's tensors follow in order until it is full; the
+    rest is written before save returns, so changing every tensor right after changes no file."""
+    state, want = rank_state(3), rank_state(3)
+    with CheckpointManager(tmp_path / "capped", async_save=True, staging_bytes=cap) as mgr:
+        mgr.save(3, state)
+        staged = mgr._staging.nbytes
+        for part in (state.model, state.optim):
+            for tensor in part.values():
+                tensor.add_(1.0)  # the training loop goes on updating in place
+    total = sum(t.numel() * t.element_size() for part in (want.model, want.optim) for t in part.values())
+    assert staged <= (cap if cap is not None else total) and (staged == total) == (cap is None)
+    save_steps(tmp_path / "plain", [3], async_save=False)  # safetensors of the same state, written at once
+    got, plain = (layout.checkpoints_dir(tmp_path / d) / "step-3" for d in ("capped", "plain"))
+    for name in ("model-tp0-pp0.safetensors", "optim-tp0-pp0-dp0.safetensors"):
+        assert (got / name).read_bytes() == (plain / name).read_bytes(), name
+    restored = CheckpointManager(tmp_path / "capped").load_latest(IDENTITY)
+    assert all(torch.equal(restored.model[k], v) for k, v in want.model.items())
+
+
+def test_a_tensor_file_written_in_parts_loads_in_safetensors(tmp_path):
+    from safetensors.torch import load_file
+
+    from yatt_hpc.ckpt.writer import TensorFile
+
+    tensors = {"h": torch.arange(6, dtype=torch.float16), "s": torch.tensor(2.5), "i": torch.arange(3),
+               "b": torch.randn(3, 5).bfloat16(), "empty": torch.zeros(0, 4), "t": torch.randn(4, 3).t()}
+    f = TensorFile(tmp_path / "x.safetensors", tensors, {"k": "v"})
+    f.write(["t", "s"])
+    assert not f.complete
+    f.write()
+    got = load_file(str(tmp_path / "x.safetensors"))
+    assert sorted(got) == sorted(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())

@@ -150,6 +150,8 @@ EFFECT: dict[str, str] = {
     "checkpoint.keep_last": f"{RUN}::test_keep_last_keeps_the_newest_committed_checkpoints",
     "checkpoint.async_save": f"{RUN}::"
                              "test_async_false_commits_before_the_next_step_and_async_true_writes_in_the_background",
+    "checkpoint.staging_mb": f"{RUN}::"
+                             "test_async_false_commits_before_the_next_step_and_async_true_writes_in_the_background",
     "checkpoint.load_from": "tests/mpi/test_grpo_run.py::test_load_from_starts_fresh_with_another_runs_weights",
     "checkpoint.stop_grace_s": "tests/mpi/test_stop_grace.py::"
                                "test_signal_in_a_long_step_commits_the_last_step_within_the_grace_and_resumes_exactly",

@@ -47,32 +47,43 @@ from yatt_hpc.ckpt.manifest import (
     write_marker,
 )
 from yatt_hpc.ckpt.state import RankRecord, SharedState, write_state
-from yatt_hpc.ckpt.writer import RankState
+from yatt_hpc.ckpt.writer import RankState, TensorFile
 
 log = logging.getLogger(__name__)
 
 
-def write_rank_files(inc: Path, snap: RankState) -> list[FileEntry]:
-    """Write this rank's tensor files into ``inc`` and make them durable; return their digests."""
-    inc.mkdir(parents=True, exist_ok=True)
+def rank_files(inc: Path, snap: RankState) -> dict[str, TensorFile]:
+    """This rank's tensor files in ``inc`` by slot ("model", "optim"), not written yet."""
     c = snap.coords
-    files = []
+    files = {}
     if snap.model is not None:
-        files.append((layout.model_file(c.get("tp", 0), c.get("pp", 0)), snap.model, {}))
+        files["model"] = (layout.model_file(c.get("tp", 0), c.get("pp", 0)), snap.model, {})
     if snap.optim is not None:
-        files.append((layout.optim_file(c.get("tp", 0), c.get("pp", 0), c.get("dp", 0)), snap.optim,
-                      snap.optim_meta))
+        files["optim"] = (layout.optim_file(c.get("tp", 0), c.get("pp", 0), c.get("dp", 0)), snap.optim,
+                          snap.optim_meta)
+    # One metadata key, its JSON sorted: identical saves are identical bytes.
+    return {slot: TensorFile(inc / name, tensors, {layout.METADATA_KEY: json.dumps(
+        {"identity": snap.identity, **meta}, sort_keys=True)}) for slot, (name, tensors, meta) in files.items()}
+
+
+def write_unstaged(inc: Path, files: dict[str, TensorFile], unstaged: set[tuple[str, str]]) -> None:
+    """Before the step goes on: the tensors a capped staging left live, written into their files."""
+    for slot, f in files.items():
+        names = [name for s, name in unstaged if s == slot]
+        if names:
+            inc.mkdir(parents=True, exist_ok=True)
+            f.write(names)
+
+
+def write_rank_files(inc: Path, snap: RankState, files: dict[str, TensorFile] | None = None) -> list[FileEntry]:
+    """Write what this rank's tensor files in ``inc`` still lack (all of `rank_files` by default), make
+    them durable; return their digests."""
+    inc.mkdir(parents=True, exist_ok=True)
     entries = []
-    if files:
-        from safetensors.torch import save_file  # torch: only a rank that has tensors to write imports it
-    for name, tensors, meta in files:
-        path = inc / name
-        # One metadata key: safetensors keeps metadata in a hash map, so several keys would be
-        # written in a random order and identical saves would differ byte-wise.
-        body = json.dumps({"identity": snap.identity, **meta}, sort_keys=True)
-        save_file(tensors, str(path), metadata={layout.METADATA_KEY: body})
-        fsync_file(path)
-        entries.append(digest_file(path))
+    for f in (rank_files(inc, snap) if files is None else files).values():
+        f.write()
+        fsync_file(f.path)
+        entries.append(digest_file(f.path))
         ACTIVITY.progress("checkpoint file")  # a long save keeps the health monitor informed
     fsync_dir(inc)
     return entries

@@ -25,7 +25,7 @@ from typing import Self
 
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.ckpt import layout
-from yatt_hpc.ckpt.commit import clean_incomplete, commit, quiet_barrier, write_rank_files
+from yatt_hpc.ckpt.commit import clean_incomplete, commit, quiet_barrier, rank_files, write_rank_files, write_unstaged
 from yatt_hpc.ckpt.errors import CheckpointError, describe_write_error
 from yatt_hpc.ckpt.loader import Restored, find_latest, read_rank, read_weights
 from yatt_hpc.ckpt.state import SharedState
@@ -79,8 +79,11 @@ def _thread_collectives_ok(comm) -> bool:
 
 class CheckpointManager:
     def __init__(self, run_dir: str | Path, comm=None, *, keep_last: int = 2, async_save: bool = True,
-                 leader: int = 0, thread_collectives: bool | None = None):
+                 leader: int = 0, thread_collectives: bool | None = None, staging_bytes: int | None = None):
         """Collective: the leader removes stale ``.incomplete`` dirs before anyone writes.
+
+        ``staging_bytes``: the most host memory an async save's snapshot holds (None: all of the state);
+        tensors past it are written before ``save`` returns.
 
         ``thread_collectives`` None: commit from the writer thread iff MPI is THREAD_MULTIPLE;
         False: always commit on the calling thread at the next save/wait/close.
@@ -98,7 +101,7 @@ class CheckpointManager:
         self._threaded_commit = auto if thread_collectives is None else (thread_collectives and auto)
         self._wcomm = self.comm.Dup() if self._threaded_commit else None
         self._writer = BackgroundWriter()
-        self._staging = Staging()
+        self._staging = Staging(staging_bytes)
         self._deferred: tuple | None = None
         self.last_stall_s = 0.0
         self.skipped: list[tuple[int, str]] = []  # (step, why) of checkpoints latest_step passed over
@@ -131,15 +134,28 @@ class CheckpointManager:
             log.info("checkpoint step %d written and committed before the step ended (checkpoint.async=false)", step)
             return
         snap = snapshot(state, self._staging)
+        inc = layout.incomplete_dir(self.ckpt_dir, step)
+        files, error = rank_files(inc, snap), None
+        try:  # what did not fit under checkpoint.staging_mb, from the live tensors, before they change
+            write_unstaged(inc, files, self._staging.unstaged)
+        except Exception as err:  # reported by the commit, on every rank alike
+            log.exception("checkpoint step %d: writing this rank's unstaged tensors failed", step)
+            error = describe_write_error(err)
         comm = self._wcomm if self._threaded_commit else None
-        self._writer.submit(lambda: self._write_and_commit(step, snap, shared, comm))
+        self._writer.submit(lambda: self._write_and_commit(step, snap, shared, comm, files, error))
         self.last_stall_s = time.perf_counter() - start
-        log.info("checkpoint step %d snapshot taken; the writer thread writes it in the background", step)
+        if self._staging.unstaged:
+            log.info("checkpoint step %d: %d tensors past checkpoint.staging_mb written before the step went on; "
+                     "the writer thread writes the rest in the background", step, len(self._staging.unstaged))
+        else:
+            log.info("checkpoint step %d snapshot taken; the writer thread writes it in the background", step)
 
-    def _write_and_commit(self, step: int, snap: RankState, shared: SharedState | None, comm) -> None:
-        error, entries = None, []
+    def _write_and_commit(self, step: int, snap: RankState, shared: SharedState | None, comm,
+                          files=None, error: str | None = None) -> None:
+        entries = []
         try:
-            entries = write_rank_files(layout.incomplete_dir(self.ckpt_dir, step), snap)
+            if error is None:
+                entries = write_rank_files(layout.incomplete_dir(self.ckpt_dir, step), snap, files)
         except Exception as err:
             log.exception("checkpoint step %d: writing this rank's files failed", step)
             error = describe_write_error(err)

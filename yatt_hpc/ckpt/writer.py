@@ -1,20 +1,30 @@
-"""What a rank hands to a save, its host-memory snapshot, and the one-slot background writer.
+"""What a rank hands to a save, its host-memory snapshot, the tensor files, and the one-slot background writer.
 
-    staging = Staging()
-    snap = snapshot(rank_state, staging)      # the only part the training loop waits for
+    staging = Staging(cap_bytes=2 << 30)
+    snap = snapshot(rank_state, staging)      # the only part the training loop waits for ...
+    files = [TensorFile(path, snap.model, meta)]
+    for f in files: f.write(f.unstaged)       # ... with the tensors that did not fit the staging cap
     writer = BackgroundWriter()
-    writer.submit(lambda: write_everything(snap))   # waits for the previous job first
+    writer.submit(lambda: [f.write() for f in files])   # the rest; waits for the previous job first
     writer.wait()                              # re-raises the job's error, if any
 
 The staging buffers are allocated once and reused by every save, so a snapshot is a plain memcpy
 into memory that is already faulted in (pinned when the source is on a GPU). Reuse is safe because
 at most one save is in flight: ``submit`` waits for the previous job before the next snapshot.
+
+They hold at most ``cap_bytes`` (``checkpoint.staging_mb``): a rank whose tensors are larger stages
+what fits, tensor by tensor in order, and writes the others into their files from the live tensors
+before the step goes on; the staged ones follow in the background. The files are the same bytes
+whatever the cap: a ``TensorFile`` fixes every tensor's offset first and fills them in any order.
 """
 from __future__ import annotations
 
 import copy
+import json
+import os
 import sys
 import threading
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -50,12 +60,23 @@ class RankState:
 
 
 class Staging:
-    """Reusable host buffers, one per (slot, tensor name); re-allocated only when a shape changes."""
+    """Reusable host buffers, one per (slot, tensor name), holding at most ``cap_bytes`` in all (None: no
+    cap); a buffer is re-allocated only when its tensor's shape changes. `copy` stages the tensors of one
+    save in order while they fit; `unstaged` names the others, which the save writes from the live tensors."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap_bytes: int | None = None) -> None:
+        self.cap_bytes = cap_bytes
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._staged: set[tuple[str, str]] = set()
+        self.unstaged: set[tuple[str, str]] = set()
+
+    def begin(self) -> None:
+        """A new save: nothing staged yet."""
+        self._staged, self.unstaged = set(), set()
 
     def copy(self, slot: str, tensors: StateDict) -> StateDict:
+        """``tensors`` with each one that fits under the cap replaced by its staged copy; the others are
+        returned as they are (live) and listed in `unstaged`."""
         import torch
 
         out = {}
@@ -63,20 +84,97 @@ class Staging:
         for name, src in tensors.items():
             src = src.detach()
             key = (slot, name)
+            if self.cap_bytes is not None and self._used() + _nbytes(src) > self.cap_bytes:
+                self.unstaged.add(key)
+                out[name] = src
+                continue
             buf = self._buffers.get(key)
             if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                self._buffers.pop(key, None)
                 buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
                 self._buffers[key] = buf
             buf.copy_(src, non_blocking=src.is_cuda)
+            self._staged.add(key)
             any_cuda |= src.is_cuda
             out[name] = buf
+        for key in [k for k in self._buffers if k[0] == slot and k not in self._staged]:
+            del self._buffers[key]  # staged before, not now (the state changed): the cap still holds
         if any_cuda:
             torch.cuda.synchronize()
         return out
 
+    def _used(self) -> int:
+        return sum(_nbytes(self._buffers[k]) for k in self._staged)
+
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(_nbytes(b) for b in self._buffers.values())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64",
+                       "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+class TensorFile:
+    """One safetensors file (https://github.com/huggingface/safetensors, the format: an 8-byte little-endian
+    header size, the JSON header, then the tensors' bytes) written in parts: the header and every tensor's
+    place are fixed at the first write, each tensor's bytes are written at its place when `write` names it.
+    Tensors are laid out by element size (largest first) then name, each aligned to its element, as
+    safetensors' own writer does; safetensors' loaders read the result."""
+
+    def __init__(self, path: Path, tensors: StateDict, metadata: dict[str, str]) -> None:
+        self.path, self.tensors = Path(path), tensors
+        order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+        header: dict[str, Any] = {"__metadata__": metadata}
+        self.offsets, cursor = {}, 0
+        for name in order:
+            t = tensors[name]
+            dtype = _SAFETENSORS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+            if dtype is None:
+                raise TypeError(f"{name}: {t.dtype} has no safetensors dtype here")
+            self.offsets[name] = cursor
+            header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [cursor, cursor + _nbytes(t)]}
+            cursor += _nbytes(t)
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+        self._head = len(text).to_bytes(8, "little") + text
+        self.size = len(self._head) + cursor
+        self._pending = set(order)
+        self._created = False
+
+    def write(self, names=None) -> None:
+        """Write the named tensors (default: every one not yet written); creates the file on first use."""
+        names = sorted(self._pending if names is None else set(names) & self._pending)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | (0 if self._created else os.O_TRUNC), 0o644)
+        try:
+            if not self._created:
+                os.ftruncate(fd, self.size)
+                os.pwrite(fd, self._head, 0)
+                self._created = True
+            for name in names:
+                data = _host_bytes(self.tensors[name])
+                written, view = 0, memoryview(data)
+                while written < len(view):
+                    written += os.pwrite(fd, view[written:], len(self._head) + self.offsets[name] + written)
+                self._pending.discard(name)
+        finally:
+            os.close(fd)
+
+    @property
+    def complete(self) -> bool:
+        return not self._pending
+
+
+def _host_bytes(t: torch.Tensor):
+    """The tensor's bytes in host memory (a copy only when it is on a device or not contiguous)."""
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
 
 
 def _host_view(tensors: StateDict) -> StateDict:
@@ -111,7 +209,11 @@ def _copy_tree(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 def snapshot(state: RankState, staging: Staging | None) -> RankState:
-    """A copy of ``state`` that the caller may mutate freely afterwards (staging=None: no copy of CPU tensors)."""
+    """A copy of ``state`` that the caller may mutate freely afterwards (staging=None: no copy of CPU tensors),
+    but for the tensors a capped `staging` left live (`staging.unstaged`): write those before mutating."""
+    if staging is not None:
+        staging.begin()
+
     def tensors(slot: str, sd: StateDict | None) -> StateDict | None:
         if sd is None:
             return None

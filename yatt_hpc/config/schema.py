@@ -267,6 +267,11 @@ class CheckpointConfig(Section):
     """Committed checkpoints to keep (at least 2, so a corrupt latest still has a predecessor)."""
     async_save: bool = Field(True, alias="async")
     """Write in a background thread after a host-memory snapshot (YAML key: `async`)."""
+    staging_mb: int = Field(2048, ge=0)
+    """Host memory (MiB) an async save's snapshot may hold on each rank, allocated at the first save and
+    reused by every later one. A rank whose model and optimizer shards are larger copies what fits and
+    writes the rest into the checkpoint before its step goes on (that part of the save is not async);
+    0 writes every tensor before the step goes on and keeps no copy. The files are the same either way."""
     load_from: str | None = None
     """Start a fresh run from another run's checkpoint directory (weights only)."""
     stop_grace_s: float | None = Field(60.0, gt=0)

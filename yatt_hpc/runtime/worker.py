@@ -118,7 +118,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     slurm_env = SlurmEnv.from_environ(os.environ)
     slurm = SlurmFacts(slurm_env.job_id, slurm_env.restart_count, job_end_time(os.environ))
     ckpt = CheckpointManager(run_dir, world.comm, keep_last=cfg.checkpoint.keep_last,
-                             async_save=cfg.checkpoint.async_save)
+                             async_save=cfg.checkpoint.async_save, staging_bytes=cfg.checkpoint.staging_mb * 2**20)
     logging.getLogger(__name__).info("%s", resume_after_startup())  # the steps run with the collector on
     try:
         outcome = StepLoop(world, cfg, controller, stats, metrics, ckpt, stop_flag, protocol, console, run_dir, slurm,
