@@ -24,9 +24,9 @@ import json
 import os
 import sys
 import threading
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
