@@ -92,8 +92,9 @@ class ReferenceRun:
     SETS = ("train.prompts_per_step=8", "rollout.samples_per_prompt=4", "checkpoint.interval=1",
             f"checkpoint.keep_last={STEPS}", "logging.progress=false")
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, output: str = "") -> None:
         self.dir = run_dir
+        self.output = output  # what the launch printed (stdout then stderr), redirected to a pipe
 
     def weights(self, step: int) -> dict:
         return checkpoint_weights(self.dir, step)
@@ -113,7 +114,7 @@ def reference_run(mpirun, tmp_path_factory) -> ReferenceRun:
     proc = subprocess.run([PYTHON, "-m", "yatt_hpc.cli", "run", str(REPO / "configs/demo_cpu.yaml"), "--run-dir",
                            str(run_dir), *sets], cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return ReferenceRun(run_dir)
+    return ReferenceRun(run_dir, proc.stdout + proc.stderr)
 
 
 @pytest.fixture(scope="session")

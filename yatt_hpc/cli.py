@@ -109,7 +109,7 @@ def plan_cmd(config_path: str, overrides: tuple[str, ...], run_dir: str, as_sbat
 def run_cmd(config_path: str, run_dir: Path, overrides: tuple[str, ...]) -> None:
     """Run CONFIG: one MPI world (mpirun here, srun --mpi=pmix inside a Slurm allocation)."""
     from yatt_hpc.ckpt.layout import checkpoints_dir
-    from yatt_hpc.ckpt.manifest import completed_step
+    from yatt_hpc.ckpt.manifest import complete_message, completed_step
     from yatt_hpc.launch.local import launch_run
     from yatt_hpc.runtime.inputs import check_model_dirs
 
@@ -117,7 +117,7 @@ def run_cmd(config_path: str, run_dir: Path, overrides: tuple[str, ...]) -> None
     check_model_dirs(cfg)
     done = completed_step(checkpoints_dir(run_dir), cfg.train.steps)
     if done is not None:  # no ranks to start: running a finished run again costs no start-up
-        click.echo(f"run {run_dir} is complete ({done}/{cfg.train.steps} steps); nothing to do")
+        click.echo(complete_message(run_dir, done, cfg.train.steps))
         sys.exit(0)
     code = launch_run(cfg, p, run_dir)
     if code:

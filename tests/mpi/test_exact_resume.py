@@ -97,4 +97,4 @@ def test_interrupted_run_resumes_bitwise_identical(straight, tmp_path, how):
     assert_same(final_state(run_dir, K), straight)
     if how == "term":  # running a finished run again does nothing (once: it does not depend on how it stopped)
         again = subprocess.run(cmd(run_dir), cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=300)
-        assert again.returncode == 0 and "is complete" in again.stdout
+        assert again.returncode == 0 and "is already complete: 8 of 8 steps" in again.stdout

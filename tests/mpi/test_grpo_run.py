@@ -73,6 +73,16 @@ def test_run_dir_layout(demo_run):
     assert (demo_run / "config.yaml").is_file() and (demo_run / "summary.json").is_file()
 
 
+def test_a_redirected_run_prints_plain_text_and_no_third_party_start_up_notices(reference_run):
+    """Output to a pipe or a file has no terminal codes (mpirun gives ranks a pseudo-terminal: the launcher
+    tells them), and Megatron's Transformer Engine / Apex fallback notices are in no rank's log."""
+    assert "step 20/20" in reference_run.output or "run summary" in reference_run.output
+    assert "\x1b[" not in reference_run.output
+    for log in sorted((reference_run.dir / "logs").glob("rank-*.log")):
+        text = log.read_text()
+        assert "not installed" not in text and "Megatron-FSDP" not in text, log.name
+
+
 def test_missing_model_file_is_a_clear_error(mpirun, tmp_path):
     proc = yatt_run(tmp_path / "run", "--set", f"model.path={tmp_path}/nope")
     assert proc.returncode == 2

@@ -122,6 +122,14 @@ def verify_step(step_dir: Path) -> str | None:
     return None
 
 
+def complete_message(run_dir: Path, done: int, steps: int) -> str:
+    """What running a finished run again says (its newest checkpoint `done` covers train.steps = `steps`)."""
+    if done == steps:
+        return f"run {run_dir} is already complete: {done} of {steps} steps; nothing to do"
+    return (f"run {run_dir} is already past train.steps={steps}: its newest checkpoint is step {done}; nothing to do "
+            f"(set train.steps above {done} to train on)")
+
+
 def completed_step(ckpt_dir: Path, steps: int) -> int | None:
     """The step of the newest committed checkpoint when it covers ``steps`` and verifies: a run with
     nothing left to do (its launcher need not start a rank). None otherwise, also when that

@@ -47,6 +47,8 @@ def launch_env(environ: dict[str, str]) -> dict[str, str]:
     # are still in flight) once the checkpoint is committed: mpirun must not call that a failure
     env.setdefault("OMPI_MCA_orte_allowed_exit_without_sync", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # the ranks' stdout is a pseudo-terminal of mpirun's: whether to style is the user's terminal's to say
+    env.setdefault("YATT_COLOR", "1" if sys.stdout.isatty() and "NO_COLOR" not in environ else "0")
     return env
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.ckpt import SharedState, should_save
+from yatt_hpc.ckpt.manifest import complete_message
 from yatt_hpc.runtime.health import HealthMonitor
 from yatt_hpc.runtime.stop_watchdog import StepGuard, StepRecord, StopWatchdog
 from yatt_hpc.runtime.summary import step_scalars
@@ -130,7 +131,7 @@ class StepLoop:
             if restored.step >= self.cfg.train.steps:
                 self.outcome = "already_complete"
                 if self.world.is_leader:
-                    self.say(f"run {self.run_dir} is complete ({restored.step}/{self.cfg.train.steps} steps); nothing to do")
+                    self.say(complete_message(self.run_dir, restored.step, self.cfg.train.steps))
             return restored.step
         if self.cfg.checkpoint.load_from:
             self.controller.load_weights(self.ckpt.load_from(self.cfg.checkpoint.load_from, **self.controller.shard))

@@ -38,7 +38,35 @@ def setup_logging(run_dir: Path, rank: int, group: str, level: str) -> Path:
     root.handlers[:] = [handler]
     root.setLevel(level)
     logging.captureWarnings(True)
+    quiet_known_warnings()
     return path
+
+
+# Third-party start-up notices that tell a user of this product nothing: Megatron-Core says at each import
+# that it falls back to its local (plain torch) kernels, which is what the trainer builds on purpose
+# (train/megatron_model.py: the local layer spec), and that its FSDP module found Megatron-Core.
+_KNOWN_WARNINGS = (r"(Transformer Engine and )?Apex (is|are) not installed", r"full scope is deprecated")
+_KNOWN_INFO = ("megatron.core.distributed.fsdp",)
+
+
+def quiet_known_warnings() -> None:
+    import warnings
+
+    for message in _KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    for name in _KNOWN_INFO:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def leader_console():
+    """The leader's console: styled only when the user's terminal is (the launcher says so in YATT_COLOR:
+    mpirun gives every rank a pseudo-terminal, so the rank's own isatty() says yes even when the user
+    redirected the run's output to a file). NO_COLOR drops the colours (rich reads it)."""
+    from rich.console import Console
+
+    color = os.environ.get("YATT_COLOR")
+    terminal = sys.stdout.isatty() if color is None else color == "1"
+    return Console(force_terminal=terminal, width=160)
 
 
 def build_controller(world, cfg, run_dir: Path, stats, protocol):
@@ -75,7 +103,6 @@ def quiet_libraries() -> None:
 
 def run_rank(group: str, run_dir: Path) -> str:
     from mpi4py import MPI
-    from rich.console import Console
 
     from yatt_hpc.ckpt import CheckpointManager
     from yatt_hpc.comm.doorbell import DOORBELL, launch_nonce
@@ -114,7 +141,7 @@ def run_rank(group: str, run_dir: Path) -> str:
         stop_flag.reclaim()  # before the block lifts: a signal that came meanwhile reaches our handler
     quiet_barrier(world.comm, "start: every controller built")  # engines are ready long before trainers
     metrics = build_metrics(run_dir, is_writer=world.is_leader, tensorboard=cfg.logging.tensorboard)
-    console = Console(force_terminal=sys.stdout.isatty(), width=160) if world.is_leader else None
+    console = leader_console() if world.is_leader else None
     slurm_env = SlurmEnv.from_environ(os.environ)
     slurm = SlurmFacts(slurm_env.job_id, slurm_env.restart_count, job_end_time(os.environ))
     ckpt = CheckpointManager(run_dir, world.comm, keep_last=cfg.checkpoint.keep_last,
