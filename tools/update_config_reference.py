@@ -1,22 +1,24 @@
-"""Rewrite the config reference block in README.md from the field docstrings.
+"""Rewrite the field reference of docs/configuration.md from the config fields' docstrings.
 
-    .venv/bin/python tools/update_readme_reference.py
+    .venv/bin/python tools/update_config_reference.py
+
+tests/unit/test_docs.py fails when the page's table differs from what this writes.
 """
 import re
 from pathlib import Path
 
 from yatt_hpc.config.docs import reference_markdown
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 START, END = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
 
 
 def main() -> None:
-    text = README.read_text()
-    new = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: START + reference_markdown() + END, text, flags=re.S)
+    text = PAGE.read_text()
     if START not in text:
-        raise SystemExit("README.md has no config-reference block to update")
-    README.write_text(new)
+        raise SystemExit(f"{PAGE} has no config-reference block to update")
+    new = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: START + reference_markdown() + END, text, flags=re.S)
+    PAGE.write_text(new)
 
 
 if __name__ == "__main__":
