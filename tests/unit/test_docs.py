@@ -10,6 +10,7 @@ itself runs the demo command (and tests/mpi runs it on every CI run).
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shlex
 import sys
@@ -207,3 +208,19 @@ def test_the_first_two_commands_lead_the_readme():
 
 def test_the_readme_stays_short():
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+def test_a_new_benchmark_json_renders_with_one_entry(tmp_path, monkeypatch):
+    render = load_renderer()
+    report = {"question": "B10 checkpoint staging memory at a 0.5B shape", "target": "<= 1.2x the state", "met": True,
+              "verdict": "peak 1.1x the state", "notes": "", "machine": {"cpus": 2, "mem_mb": 24576, "python": "3.11"},
+              "rows": [{"label": "peak host memory", "value": "2.1 [2.0-2.2] GiB (n=3)"}]}
+    (tmp_path / "ckpt_memory.json").write_text(json.dumps(report))
+    monkeypatch.setattr(render, "RESULTS", tmp_path)
+    monkeypatch.setattr(render, "BENCHES", [])
+    with pytest.raises(SystemExit, match="ckpt_memory.json has no entry"):
+        render.render()
+    monkeypatch.setattr(render, "BENCHES", [render.Bench("B10", "ckpt_memory", limits="The staging buffers.")])
+    page = render.render()
+    assert "## B10: checkpoint staging memory at a 0.5B shape" in page and "| peak host memory | 2.1" in page
+    assert "**What limits it.** The staging buffers." in page
