@@ -7,18 +7,29 @@ PIP       := $(PY) -m pip --disable-pip-version-check
 STAMP     := $(VENV)/.installed
 RUN_DIR   ?= runs/demo
 PYTEST_ARGS ?=
+LOCK      := constraints/lock.txt
+# where `make lock` finds the CPU build of torch: this machine's wheel directory; elsewhere e.g.
+#   make lock TORCH_SOURCE="--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match"
+TORCH_SOURCE ?= --find-links /opt/wheels
 
-.PHONY: install demo test test-faults test-unit system-deps cluster-start cluster-stop bench lint clean
+.PHONY: install lock demo test test-faults test-unit system-deps cluster-start cluster-stop bench lint clean
 
 install: $(STAMP)
 
-# Re-runs only when setup.py or the constraints change. torch comes first and pinned to the CPU
-# build that lies on this machine's disk, so nothing later can resolve a multi-GB CUDA build.
-$(STAMP): setup.py constraints/cpu.txt
+# Re-runs only when setup.py or the pins change. Every version comes from $(LOCK); torch comes first
+# and pinned to the CPU build that lies on this machine's disk, so nothing later can resolve a
+# multi-GB CUDA build.
+$(STAMP): setup.py constraints/cpu.txt $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q -c constraints/cpu.txt torch==2.13.0
-	$(PIP) install -q -c constraints/cpu.txt -e '.[dev]'
+	$(PIP) install -q -c constraints/cpu.txt -c $(LOCK) torch==2.13.0
+	$(PIP) install -q -c constraints/cpu.txt -c $(LOCK) -e '.[dev]'
 	touch $@
+
+# The one command that refreshes the pins: the project's [dev] install and B9's peer (TRL), resolved
+# together so both venvs get one transformers. Then `make install`, `make test`, and commit the lock.
+lock: install
+	$(VENV)/bin/uv pip compile setup.py bench/peers/requirements.txt constraints/cpu.txt --extra dev \
+	    --python-version 3.11 $(TORCH_SOURCE) --custom-compile-command 'make lock' -o $(LOCK)
 
 # Open MPI (+ PMIx) from Debian for mpirun; a no-op when already there.
 system-deps:

@@ -1,11 +1,12 @@
 """Install yatt-hpc.
 
-    make install          # .venv with the CPU torch build and the [dev] extra
+    make install          # .venv with the CPU torch build and the [dev] extra, at constraints/lock.txt
     pip install -e '.[dev]'
     pip install -e '.[gpu]'   # adds SGLang (CUDA machines only)
 
-torch is a lower bound only: on a CPU machine install ``torch==2.13.0`` first (the Makefile
-does, through ``constraints/cpu.txt``) so that pip never resolves a multi-GB CUDA build.
+The ranges here are for library users. ``make install`` installs the exact versions of
+``constraints/lock.txt`` (``uv pip compile`` output; ``make lock`` refreshes it), torch first and pinned
+to the CPU build so that pip never resolves a multi-GB CUDA build.
 """
 from setuptools import find_packages, setup
 
@@ -39,7 +40,7 @@ setup(
         "math-verify>=0.9,<1",  # the `math` reward term (HF's answer extraction + equivalence; latex2sympy2_extended)
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5", "uv>=0.5"],  # uv: `make lock`
         "gpu": ["sglang>=0.5.3", "torch_memory_saver"],  # 0.5.3: sampling_seed, weights CPU backup
     },
     entry_points={"console_scripts": ["yatt-hpc=yatt_hpc.cli:main"]},

@@ -34,20 +34,10 @@ from pathlib import Path
 import numpy as np
 from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
 
-NOTES = ("Tiny random policy/judge with a tuned eos rate (lengths above); 4 ranks on 2 cores. saved/ideal is "
-         "paired step by step (each step generates the same samples in both modes; the median over steps). What "
-         "partial can hide is at most the shorter of colocate's rollout and reward phases (now about equal, ~0.16 s "
-         "each). Finished groups leave GenRM idle until the first whole group and then short of time; finished "
-         "samples start it with the first short responses (~13 ms into the rollout). 2026-12-04 (twentieth "
-         "session): the HF engine's decode step lost its per-row bookkeeping ops (B4's wave 0.20 -> 0.14 s on one "
-         "thread) and ranks stopped faulting their freed memory in again every call (colocate's GenRM call 0.10 -> "
-         "0.08 s, and its 2-3x spikes gone): saved/ideal 0.79-0.86 -> 0.89-0.92 in five runs. What partial still "
-         "loses, ~0.03 s a step: its rollout on one core ~0.02 s longer than colocate's on two (the sends from "
-         "the decode loop ~12 ms of it), and the judge's last call after the rollout ends (~9 ms). Chunked "
-         "streaming (--chunks, not run by make bench) pays for its chunks: each rollout.stream_chunk chunk is its "
-         "own engine call that decodes until its own longest row, so a long-tail batch pays its tail once per "
-         "chunk (stream_chunk 32: 1.78x colocate's rollout+reward, one run); a continuous-batching engine "
-         "(SGLang) does not have that cost.")
+NOTES = ("Tiny random policy and judge with a tuned end-of-sequence rate (long-tailed lengths); 4 ranks on 2 cores. "
+         "saved/ideal is paired step by step (each step generates the same samples in every mode; the median over "
+         "steps). Finished groups leave GenRM idle until the first whole group; finished samples start it with the "
+         "first short responses.")
 
 
 def build_models(root: Path, eos_rate: float) -> dict[str, str]:

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     pytest.skip("weight transport GPU tests need CUDA: torch.cuda.is_available() is False", allow_module_level=True)
 
 from yatt_hpc.comm.weight_ipc import ipc_payload, rebuild_ipc_bucket  # noqa: E402
-from yatt_hpc.weight_group import BucketManifest, PairGroup, Rendezvous, host_pair_store  # noqa: E402
+from yatt_hpc.device.weight_group import BucketManifest, PairGroup, Rendezvous, host_pair_store  # noqa: E402
 
 needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="needs sglang: pip install -e '.[gpu]'")
 TIMEOUT_S = 300

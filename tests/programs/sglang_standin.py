@@ -10,7 +10,7 @@ and written here, not copied: the methods take SGLang's keyword names and return
 each worker stands in for a scheduler/TP worker process, which SGLang starts with `spawn`:
 `init_weights_update_group` makes every worker join the group at rank rank_offset + tp_rank through a
 `tcp://` rendezvous, a PrefixStore of the group name and torch's `_new_process_group_helper` (the way
-SGLang's `init_custom_process_group` builds it), so the trainer-side group of yatt_hpc/weight_group.py
+SGLang's `init_custom_process_group` builds it), so the trainer-side group of yatt_hpc/device/weight_group.py
 must meet it in the same store keys; `update_weights_from_distributed` makes every worker allocate each
 tensor and receive it with `torch.distributed.broadcast(src=0, async_op=True)` in name order, then
 "load" it (here: keep it). `flush_cache` and flushes on a final bucket are counted.

@@ -2,8 +2,8 @@
 import pytest
 
 from tests.conftest import REPO
-from yatt_hpc.activity import Activity
 from yatt_hpc.config import ConfigError, load_config
+from yatt_hpc.metrics.activity import Activity
 from yatt_hpc.runtime.health import decode_label, encode_beat
 from yatt_hpc.sched.stall import RankView, find_stall
 

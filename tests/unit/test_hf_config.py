@@ -1,4 +1,4 @@
-"""load_hf_config (yatt_hpc/hf_config.py) reads a GPT-2 config.json that states every field as written,
+"""load_hf_config (yatt_hpc/models/hf_config.py) reads a GPT-2 config.json that states every field as written,
 and gives what transformers' AutoConfig gives for everything the trainer and the judge read from it."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoConfig, GPT2Config, LlamaConfig
 
 from tests.conftest import REPO
-from yatt_hpc.hf_config import StatedConfig, load_hf_config
+from yatt_hpc.models.hf_config import StatedConfig, load_hf_config
 from yatt_hpc.train.hf_arch import describe_hf_config
 
 GPT2_VARIANTS = {
@@ -57,7 +57,7 @@ def test_other_architectures_go_through_autoconfig(tmp_path):
 
 def test_a_trainer_rank_reading_the_demo_config_never_imports_transformers():
     code = ("import sys; import yatt_hpc.roles.trainer, yatt_hpc.train.policy; "
-            "from yatt_hpc.hf_config import load_hf_config; from yatt_hpc.train.hf_arch import describe_hf_config; "
+            "from yatt_hpc.models.hf_config import load_hf_config; from yatt_hpc.train.hf_arch import describe_hf_config; "
             f"describe_hf_config(load_hf_config({str(REPO / 'models' / 'demo' / 'policy')!r}), 1); "
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, capture_output=True, text=True,

@@ -9,37 +9,50 @@ import pytest
 from tests.conftest import REPO
 
 PKG = REPO / "yatt_hpc"
-# package -> the yatt_hpc packages/modules it may import (besides itself); docs/architecture.md draws it
+# package -> the yatt_hpc packages it may import (besides itself); "pkg.module" allows one module of a
+# package and nothing else of it. docs/architecture.md draws the same table.
 ALLOWED = {
     "sched": {"placement"},
-    "comm": {"sched", "placement", "batch", "activity", "weight_group"},
-    "roles": {"comm", "sched", "batch", "activity", "ckpt", "config", "data", "errors", "placement", "reward",
-              "rollout", "train", "runtime", "vision", "hf_config"},  # runtime: RankStats, the per-rank stats it reports to
-    "runtime": {"roles", "comm", "sched", "batch", "activity", "ckpt", "config", "data", "errors", "launch",
-                "metrics", "placement"},
+    "comm": {"sched", "placement", "batch", "metrics.activity", "device"},
+    "roles": {"comm", "sched", "batch", "metrics.activity", "ckpt", "config", "data", "errors", "placement", "reward",
+              "rollout", "train", "runtime", "vision", "models"},  # runtime: RankStats, the per-rank stats it reports to
+    "runtime": {"roles", "comm", "sched", "batch", "metrics", "ckpt", "config", "data", "errors", "launch",
+                "placement"},
     "demo": set(),
-    "rollout": {"activity", "offload", "vision", "weight_group"},  # engines join a weight pair's group
-    "train": {"activity", "batch", "config", "offload", "vision", "hf_config"},
-    "reward": {"rollout", "data", "vision", "hf_config"},  # the judge runs on a rollout engine with the tokenizer data/ loads
+    "rollout": {"metrics.activity", "device", "vision"},  # engines join a weight pair's group (device.weight_group)
+    "train": {"metrics.activity", "batch", "config", "device", "vision", "models"},
+    "reward": {"rollout", "data", "vision", "models"},  # the judge runs on a rollout engine with the tokenizer data/ loads
     "data": {"config", "demo", "vision"},
     "vision": set(),  # a leaf: every component may decode images
+    "device": set(),  # leaves: torch only (device), json + transformers lazily (models)
+    "models": set(),
+    "metrics": set(),  # metrics.activity is marked by comm, roles, train, rollout, ckpt: a leaf
 }
 
 
-def yatt_imports(path: Path) -> set[str]:
-    """The yatt_hpc top-level packages/modules a file imports (anywhere in it, lazily or not)."""
+def yatt_imports(path: Path) -> set[tuple[str, str]]:
+    """(package, module) of every yatt_hpc import in a file (anywhere in it, lazily or not); module is ""
+    when the import names the package itself."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
             [a.name for a in node.names] if isinstance(node, ast.Import) else []
-        found |= {n.split(".")[1] for n in names if n.startswith("yatt_hpc.")}
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "yatt_hpc" and len(parts) > 1:
+                found.add((parts[1], parts[2] if len(parts) > 2 else ""))
     return found
+
+
+def disallowed(imports: set[tuple[str, str]], allowed: set[str], package: str) -> set[str]:
+    return {f"{pkg}.{mod}".rstrip(".") for pkg, mod in imports
+            if pkg != package and pkg not in allowed and f"{pkg}.{mod}" not in allowed}
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_a_package_imports_only_what_the_layout_allows(package):
     for path in sorted((PKG / package).glob("*.py")):
-        extra = yatt_imports(path) - ALLOWED[package] - {package}
+        extra = disallowed(yatt_imports(path), ALLOWED[package], package)
         assert not extra, f"{path.relative_to(REPO)} imports yatt_hpc.{sorted(extra)}: not allowed for {package}/"
 
 
@@ -56,6 +69,20 @@ def test_the_vision_package_needs_no_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", "importing yatt_hpc.vision pulled in torch"
+
+
+@pytest.mark.parametrize("module", ["yatt_hpc.metrics.activity", "yatt_hpc.models.hf_config"])
+def test_the_shared_leaves_need_neither_mpi_nor_torch(module):
+    code = f"import sys, {module}; print(sorted(m for m in ('mpi4py', 'torch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"importing {module} pulled in {out.stdout.strip()}"
+
+
+def test_nothing_but_the_shared_data_model_lives_at_the_package_root():
+    roots = sorted(p.name for p in PKG.glob("*.py"))
+    assert roots == ["__init__.py", "batch.py", "cli.py", "errors.py"], \
+        f"yatt_hpc/ holds {roots}: a module that belongs to a room goes there (docs/architecture.md)"
 
 
 def test_every_package_stays_small():

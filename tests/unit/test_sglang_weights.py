@@ -5,7 +5,7 @@
 The adapter makes exactly the calls it makes on `sglang.Engine`; the stand-in (tests/programs/sglang_standin.py)
 answers them with two spawned workers that join the pair's Gloo group the way SGLang's TP workers do
 (torch's `_new_process_group_helper`) and receive every tensor by broadcast. The trainer owner's side is
-yatt_hpc/weight_group.py's `PairGroup` on a thread of this process: real groups, real processes.
+yatt_hpc/device/weight_group.py's `PairGroup` on a thread of this process: real groups, real processes.
 """
 import threading
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.programs.sglang_standin import StandInEngine
+from yatt_hpc.device.weight_group import BucketManifest, PairGroup, host_pair_store
 from yatt_hpc.rollout.sglang_weights import SGLangWeights
-from yatt_hpc.weight_group import BucketManifest, PairGroup, host_pair_store
 
 TP = 2
 

@@ -10,10 +10,10 @@ import torch
 
 from yatt_hpc.comm.weight_sync import iter_buckets
 from yatt_hpc.config import load_config
+from yatt_hpc.device.weight_group import BucketManifest, Rendezvous
 from yatt_hpc.placement import PlanError, plan
 from yatt_hpc.placement.weight_transport import shared_gpus, weight_owner, weight_pairs
 from yatt_hpc.sched.routing import RoleSplit, Routes
-from yatt_hpc.weight_group import BucketManifest, Rendezvous
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_CONFIGS = ["demo_cpu", "demo_vlm_cpu", "disjoint_cpu", "partial_cpu"]

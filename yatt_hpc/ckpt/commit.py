@@ -29,7 +29,6 @@ import shutil
 import time
 from pathlib import Path
 
-from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.errors import (
     DISK_FULL,
@@ -48,6 +47,7 @@ from yatt_hpc.ckpt.manifest import (
 )
 from yatt_hpc.ckpt.state import RankRecord, SharedState, write_state
 from yatt_hpc.ckpt.writer import RankState, TensorFile
+from yatt_hpc.metrics.activity import ACTIVITY
 
 log = logging.getLogger(__name__)
 

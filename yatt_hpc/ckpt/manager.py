@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 from typing import Self
 
-from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.commit import clean_incomplete, commit, quiet_barrier, rank_files, write_rank_files, write_unstaged
 from yatt_hpc.ckpt.errors import CheckpointError, describe_write_error
 from yatt_hpc.ckpt.loader import Restored, find_latest, read_rank, read_weights
 from yatt_hpc.ckpt.state import SharedState
 from yatt_hpc.ckpt.writer import BackgroundWriter, RankState, Staging, snapshot
+from yatt_hpc.metrics.activity import ACTIVITY
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.batch import COLUMNS as _COLUMNS
 from yatt_hpc.batch import DTYPES as _DTYPES
 from yatt_hpc.batch import HEADER_WORDS, SampleBatch, WireViews, from_wire, wire_parts
 from yatt_hpc.comm.doorbell import DOORBELL
+from yatt_hpc.metrics.activity import ACTIVITY
 
 # message tags of the inter-group protocol
 TAG_PROMPTS = 11  # trainer -> rollout: prompts to sample

@@ -10,7 +10,7 @@ TAG_WEIGHTS_DONE); `receive_weights` refuses a message of another transport, nam
 
     mpi         per bucket: BUCKET(manifest with byte offsets, payload = the tensors' bytes)
     collective  once per pair: JOIN(rendezvous); per bucket: BUCKET(manifest), then one broadcast per
-                tensor over the pair's group (`yatt_hpc/weight_group.py`)
+                tensor over the pair's group (`yatt_hpc/device/weight_group.py`)
     ipc         per bucket: BUCKET(manifest, payload = the tensors' CUDA IPC handles) -> DONE from the
                 engine once it holds its copies (the owner keeps the bucket alive until then)
 
@@ -27,12 +27,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.comm.doorbell import DOORBELL
 from yatt_hpc.comm.transport import TAG_WEIGHTS, recv_ints, send_ints, wait_for_message
 from yatt_hpc.comm.weight_ipc import TAG_WEIGHTS_DONE, ipc_payload, rebuild_ipc_bucket
-from yatt_hpc.weight_group import DTYPES as _DTYPES
-from yatt_hpc.weight_group import BucketManifest, PairGroup, Rendezvous, dtype_name, host_pair_store, pair_backend
+from yatt_hpc.device.weight_group import DTYPES as _DTYPES
+from yatt_hpc.device.weight_group import BucketManifest, PairGroup, Rendezvous, dtype_name, host_pair_store, pair_backend
+from yatt_hpc.metrics.activity import ACTIVITY
 
 Bucket = list[tuple[str, torch.Tensor]]
 

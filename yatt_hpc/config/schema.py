@@ -3,7 +3,7 @@
     from yatt_hpc.config import load_config
     cfg = load_config("configs/demo_cpu.yaml", overrides=["train.steps=3"])
 
-Every field carries a docstring; `yatt-hpc config docs` and the README's config reference are
+Every field carries a docstring; `yatt-hpc config docs` and docs/configuration.md's reference are
 generated from them. Cross-field rules of a section live in that section's single validator;
 rules that span sections live in `RunConfig`. Derived values (ranks, layouts) are not stored
 here: they belong to the placement plan (`yatt_hpc.placement`). The larger sections have modules

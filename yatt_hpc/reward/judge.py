@@ -67,7 +67,7 @@ class GenRMJudge:
         """The judge in HF directory `path` (weights, config.json and its tokenizer) on an `engine`;
         `engine_options` go to the engine's constructor (they override `dtype`)."""
         from yatt_hpc.data.tokenizer import load_tokenizer
-        from yatt_hpc.hf_config import load_hf_config  # transformers only for what config.json leaves out
+        from yatt_hpc.models.hf_config import load_hf_config  # transformers only for what config.json leaves out
 
         tokenizer = load_tokenizer(path)
         config = load_hf_config(path).get_text_config()

@@ -51,9 +51,9 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.comm.gates import PhaseGate
 from yatt_hpc.comm.transport import agree_more, quiet_barrier, wait_collective
+from yatt_hpc.metrics.activity import ACTIVITY
 
 log = logging.getLogger(__name__)
 CHECK_ENV = "YATT_PROTOCOL_CHECK"

@@ -9,7 +9,7 @@ Use it (any kind; the controller code does not change between them):
     engine.update_weights(bucket_0, final=False)   # buckets of (hf_name, tensor) from the trainer
     engine.update_weights(bucket_1, final=True)    # the last bucket of a version
     engine.join_weight_group(rendezvous)           # or by broadcast over the pair's process group:
-    engine.update_weights_from_group(manifest)     # (yatt_hpc/weight_group.py), one call per bucket
+    engine.update_weights_from_group(manifest)     # (yatt_hpc/device/weight_group.py), one call per bucket
     engine.shutdown()
 
 Tests: ``pytest tests/unit/test_hf_engine.py`` (CPU) and ``pytest tests/gpu/test_sglang_engine.py`` (CUDA + sglang).
@@ -36,7 +36,7 @@ import torch
 from typing_extensions import Self  # noqa: UP035 - typing.Self is 3.11+, setup.py allows 3.10
 
 if TYPE_CHECKING:
-    from yatt_hpc.weight_group import BucketManifest, Rendezvous
+    from yatt_hpc.device.weight_group import BucketManifest, Rendezvous
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")

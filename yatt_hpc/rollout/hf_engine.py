@@ -68,8 +68,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from yatt_hpc.activity import ACTIVITY
-from yatt_hpc.offload import HostParking
+from yatt_hpc.device.offload import HostParking
+from yatt_hpc.device.weight_group import PairGroup
+from yatt_hpc.metrics.activity import ACTIVITY
 from yatt_hpc.rollout.engine import (
     BaseEngine,
     GenerationRequest,
@@ -80,7 +81,6 @@ from yatt_hpc.rollout.micro_batch import distinct_prompts, live_rows, shed
 from yatt_hpc.rollout.native_gpt2 import load_native, why_not_native
 from yatt_hpc.rollout.sampling import draw_uniforms, sample_next_tokens
 from yatt_hpc.vision.processor import ImageProcessor, decode_rgb, is_vision_model
-from yatt_hpc.weight_group import PairGroup
 
 log = logging.getLogger(__name__)
 

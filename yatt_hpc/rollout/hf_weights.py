@@ -1,5 +1,5 @@
 """How new weights reach the `hf` engine (a mixin of `HFEngine`): whole buckets by name, or a bucket
-broadcast over the pair's own process group (`weight_group.py`), checked against the model first.
+broadcast over the pair's own process group (`device/weight_group.py`), checked against the model first.
 
 The engine provides `_model`, `_device`, `_state_shapes` (name -> shape), `_tied` (name -> the first name
 sharing its storage), `_vision` (None for a text model), `_groups` (joined pair groups by name),
@@ -11,8 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
+from yatt_hpc.device.weight_group import BucketManifest, PairGroup, Rendezvous
 from yatt_hpc.rollout.engine import validate_bucket
-from yatt_hpc.weight_group import BucketManifest, PairGroup, Rendezvous
 
 
 class HFWeightUpdates:

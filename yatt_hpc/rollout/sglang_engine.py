@@ -49,9 +49,9 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from yatt_hpc.device.weight_group import BucketManifest, Rendezvous
 from yatt_hpc.rollout.engine import BaseEngine, GenerationRequest, GenerationResult
 from yatt_hpc.rollout.sglang_weights import SGLangWeights
-from yatt_hpc.weight_group import BucketManifest, Rendezvous
 
 _INSTALL_HINT = (
     "engine 'sglang' needs SGLang on a CUDA machine: install the GPU extra with "

@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from yatt_hpc.device.weight_group import BucketManifest, Rendezvous
 from yatt_hpc.rollout.engine import validate_bucket
-from yatt_hpc.weight_group import BucketManifest, Rendezvous
 
 
 class SGLangWeights:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from yatt_hpc.activity import ACTIVITY, Activity
+from yatt_hpc.metrics.activity import ACTIVITY, Activity
 from yatt_hpc.sched.stall import RankView, Stall, find_stall
 
 log = logging.getLogger(__name__)

@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.ckpt import SharedState, should_save
 from yatt_hpc.ckpt.manifest import complete_message
+from yatt_hpc.metrics.activity import ACTIVITY
 from yatt_hpc.runtime.health import HealthMonitor
 from yatt_hpc.runtime.stop_watchdog import StepGuard, StepRecord, StopWatchdog
 from yatt_hpc.runtime.summary import step_scalars

@@ -1,7 +1,7 @@
 """What a Hugging Face causal-LM config means for a Megatron GPTModel: one frozen description.
 
     from yatt_hpc.train.hf_arch import describe_hf_config
-    arch = describe_hf_config(load_hf_config(path), tp_size=2)    # yatt_hpc.hf_config
+    arch = describe_hf_config(load_hf_config(path), tp_size=2)    # yatt_hpc.models.hf_config
 
 Both the model builder (``megatron_model.py``) and the weight converter (``convert.py``) read this
 description, so the two can never disagree about head counts, biases, tying or vocab padding. It

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from yatt_hpc.activity import ACTIVITY
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.config.schema import TrainConfig
-from yatt_hpc.hf_config import load_hf_config
-from yatt_hpc.offload import HostParking
+from yatt_hpc.device.offload import HostParking
+from yatt_hpc.metrics.activity import ACTIVITY
+from yatt_hpc.models.hf_config import load_hf_config
 from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
 from yatt_hpc.train.adamw import AdamW
 from yatt_hpc.train.grpo import policy_loss
@@ -281,7 +281,7 @@ class MegatronPolicy:
 
     def release_memory(self) -> None:
         """Give the device back for the other groups' phases: parameters (policy and reference) and
-        optimizer state move to reused pinned host buffers (`yatt_hpc.offload`), gradients are dropped.
+        optimizer state move to reused pinned host buffers (`yatt_hpc.device.offload`), gradients are dropped.
         The round trip is a copy, so a released-and-resumed policy trains bitwise like one that stayed.
         CPU runtime: nothing to do."""
         if self.device.type != "cuda":

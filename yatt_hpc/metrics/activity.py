@@ -1,13 +1,13 @@
 """What this process's loop thread is doing, for the health monitor: making progress, or waiting on peers.
 
-    from yatt_hpc.activity import ACTIVITY
+    from yatt_hpc.metrics.activity import ACTIVITY
     ACTIVITY.progress("decode")                # cheap: a counter and a label (call it often)
     with ACTIVITY.waiting("recv samples"):     # blocked on other ranks, not on itself
         ...
 
 One instance per process (`ACTIVITY`), like the process's signal handlers: the MPI waits in `wire`,
 the step loop, the engines' decode loops and the trainer's micro-batches mark it; the health
-monitor thread (`health.py`) only reads it. Marking costs an integer increment and two stores, no lock:
+monitor thread (`runtime/health.py`) only reads it. Marking costs an integer increment and two stores, no lock:
 a reader that sees a label one update late is harmless.
 """
 from __future__ import annotations
