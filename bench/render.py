@@ -118,6 +118,13 @@ BENCHES = [
         "comes mostly from running each prompt through the trainer once per group (`train.share_prompts`) and "
         "from a decode step of few ops. Start-up is imports and model builds on every rank, and moves most with "
         "machine load. B9 needs TRL's venv (`bash bench/peers/setup.sh`).")),
+    Bench("B10", "ckpt_memory", limits=(
+        "A save's staging copy is the rank's whole tensor state (fp32 parameters and AdamW moments, ~12 bytes a "
+        "parameter) up to checkpoint.staging_mb; past the cap the rest is written before the step goes on, so "
+        "the peak grows by the cap and the stall by the write time of what did not fit (here 3.5 GiB in ~10 s "
+        "against 0.4 s uncapped, on this machine's disk); the first save also faults its buffers in. The figures are the "
+        "process's resident memory: the allocator keeps what a step frees (runtime/allocator.py), so the "
+        "resident size at the end is the peak working set, not what is live.")),
     Bench("G1", "ckpt_stall_cuda", script="ckpt_stall", run=False, adapt=_ckpt_stall, limits=(
         "One H200, lent briefly; run by hand (`bench/ckpt_stall.py --device cuda`). The async stall is the "
         "device-to-pinned-host copy; the write and commit follow in the background.")),
