@@ -3,7 +3,7 @@
     staging = Staging(cap_bytes=2 << 30)
     snap = snapshot(rank_state, staging)      # the only part the training loop waits for ...
     files = [TensorFile(path, snap.model, meta)]
-    for f in files: f.write(f.unstaged)       # ... with the tensors that did not fit the staging cap
+    files[0].write([name for _, name in staging.unstaged])   # ... and the tensors the staging cap left live
     writer = BackgroundWriter()
     writer.submit(lambda: [f.write() for f in files])   # the rest; waits for the previous job first
     writer.wait()                              # re-raises the job's error, if any
@@ -68,11 +68,12 @@ class Staging:
         self.cap_bytes = cap_bytes
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
         self._staged: set[tuple[str, str]] = set()
+        self._staged_bytes = 0
         self.unstaged: set[tuple[str, str]] = set()
 
     def begin(self) -> None:
         """A new save: nothing staged yet."""
-        self._staged, self.unstaged = set(), set()
+        self._staged, self._staged_bytes, self.unstaged = set(), 0, set()
 
     def copy(self, slot: str, tensors: StateDict) -> StateDict:
         """``tensors`` with each one that fits under the cap replaced by its staged copy; the others are
@@ -84,7 +85,7 @@ class Staging:
         for name, src in tensors.items():
             src = src.detach()
             key = (slot, name)
-            if self.cap_bytes is not None and self._used() + _nbytes(src) > self.cap_bytes:
+            if self.cap_bytes is not None and self._staged_bytes + _nbytes(src) > self.cap_bytes:
                 self.unstaged.add(key)
                 out[name] = src
                 continue
@@ -95,6 +96,7 @@ class Staging:
                 self._buffers[key] = buf
             buf.copy_(src, non_blocking=src.is_cuda)
             self._staged.add(key)
+            self._staged_bytes += _nbytes(buf)
             any_cuda |= src.is_cuda
             out[name] = buf
         for key in [k for k in self._buffers if k[0] == slot and k not in self._staged]:
@@ -102,9 +104,6 @@ class Staging:
         if any_cuda:
             torch.cuda.synchronize()
         return out
-
-    def _used(self) -> int:
-        return sum(_nbytes(self._buffers[k]) for k in self._staged)
 
     @property
     def nbytes(self) -> int:
