@@ -68,6 +68,12 @@ class RewardConfig(Section):
     """How rewards combine: GenRM alone, rule verifier alone, or alpha*GenRM + beta*rule (the shorthand of
     `terms`). With `terms` it follows from them (`rule_only` without a genrm term, `rm_only` with only one,
     else `rm_with_rule`); a different value is refused."""
+    overlong_buffer_len: int | None = Field(None, ge=1)
+    """DAPO's soft overlong punishment (verl `overlong_buffer.len`): a response longer than rollout.max_new_tokens
+    minus this many tokens loses (length - that) / this x `overlong_penalty_factor` from its reward, so one at
+    the cap loses the whole factor (metric `reward/overlong/mean`). null: off."""
+    overlong_penalty_factor: float = Field(1.0, gt=0)
+    """The penalty of a response at the cap (verl `overlong_buffer.penalty_factor`); needs overlong_buffer_len."""
     genrm_path: str = "models/demo/judge"
     """Directory of the GenRM judge model in Hugging Face layout."""
     alpha: float = Field(0.5, ge=0)
@@ -138,6 +144,9 @@ class RewardConfig(Section):
     def _consistent(self) -> RewardConfig:
         if self.terms is not None:
             self._check_terms(self.terms)
+        if self._changed("overlong_penalty_factor") and self.overlong_buffer_len is None:
+            raise ValueError(f"reward.overlong_penalty_factor={self.overlong_penalty_factor:g} sizes the overlong "
+                             "penalty, which reward.overlong_buffer_len turns on; set it, or drop the factor")
         if self.mode == "rule_only":
             refused = [f for f in _JUDGE_FIELDS if self._changed(f)]
             if refused:

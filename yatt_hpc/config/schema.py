@@ -116,7 +116,9 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
-    """The GRPO policy update."""
+    """The policy update: the advantage estimator, the policy loss and its aggregation, the KL to the
+    reference, the optimizer and its schedule. Each choice is spelled as verl spells it; docs/recipes.md
+    maps every one to verl's and TRL's options and gives the settings of GRPO, DAPO, Dr.GRPO, GSPO and CISPO."""
 
     steps: int = Field(20, ge=0)
     """Number of RL steps (generate -> score -> update) to run in total, across restarts."""
@@ -126,22 +128,80 @@ class TrainConfig(Section):
     """Prompt groups per step over all trainer data-parallel ranks (must divide by trainer dp)."""
     micro_batch_size: int = Field(8, ge=1)
     """Samples per forward/backward on one trainer rank; gradients accumulate over micro-batches."""
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = "grpo"
+    """How rewards become advantages (`yatt_hpc/algos/advantages.py`): `grpo` (group mean and std; Dr.GRPO with
+    `norm_adv_by_std: false`), `rloo` (leave-one-out group baseline), `reinforce_plus_plus` (batch-whitened
+    returns), `reinforce_plus_plus_baseline` (group mean removed, then batch-whitened). A group of one sample,
+    or of equal rewards, gets advantage 0 under every group estimator. `gae` needs a critic and is refused."""
+    norm_adv_by_std: bool = True
+    """`grpo` only: divide by the group's reward std; false is Dr.GRPO (verl `norm_adv_by_std_in_grpo`)."""
+    adv_std: Literal["sample", "population"] = "sample"
+    """`grpo` only: the group std, `sample` (ddof 1, as verl, TRL, slime and NeMo-RL) or `population` (ddof 0)."""
+    adv_eps: float = Field(1e-6, gt=0)
+    """`grpo` with `norm_adv_by_std` only: added to the group std (outside the square root)."""
+    gamma: float = Field(1.0, gt=0, le=1)
+    """`reinforce_plus_plus` only: the discount of its per-token returns."""
+    loss_mode: Literal["vanilla", "gspo", "cispo"] = "vanilla"
+    """The per-token policy loss (`yatt_hpc/algos/policy_loss.py`): `vanilla` (PPO's clipped ratio, with
+    clip-higher and the optional dual clip), `gspo` (the sequence-level ratio, clipped per sequence), `cispo`
+    (the clipped importance weight, detached, times the log-probability)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                           "seq-mean-token-sum-norm"] | None = None
+    """How per-token losses add up over the global batch (`yatt_hpc/algos/aggregate.py`): `token-mean`,
+    `seq-mean-token-mean`, `seq-mean-token-sum`, or `seq-mean-token-sum-norm` (Dr.GRPO: the token sum over
+    batch size x rollout.max_new_tokens). Exact over the whole batch however samples are split over ranks and
+    micro-batches. null: the loss mode's own (`seq-mean-token-mean` for gspo, else `token-mean`)."""
+    clip_low: float = Field(0.2, ge=0, le=1)
+    """Ratio clip below 1: rho = pi / pi_old is clipped to [1 - clip_low, 1 + clip_high]."""
+    clip_high: float = Field(0.28, ge=0)
+    """Ratio clip above 1 (DAPO's clip-higher when larger than clip_low)."""
+    clip_ratio_c: float | None = Field(None, gt=1)
+    """`vanilla` only: the dual clip's bound (> 1): a negative advantage's loss is capped at -A x clip_ratio_c
+    (verl `clip_ratio_c`, which is 3.0 there by default); null turns it off."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL to the frozen reference policy (the initial weights); 0 skips the reference model.
+    In the loss (default) or subtracted from the reward (`kl_in_reward`)."""
+    kl_estimator: Literal["k1", "k2", "k3", "k3+"] = "k3"
+    """The per-token KL estimate (`yatt_hpc/algos/kl.py`): `k1` = log pi - log pi_ref, `k2` = its square / 2,
+    `k3` = exp(-d) + d - 1 (verl `low_var_kl`), `k3+` = k3's value with k2's gradient."""
+    kl_in_reward: bool = False
+    """Subtract kl_coef x the per-token KL (of the sampling policy to the reference, scored before the update)
+    from the reward, as verl `use_kl_in_reward` and the PPO tradition, instead of adding it to the loss."""
+    kl_target: float | None = Field(None, gt=0)
+    """An adaptive kl_coef (Ziegler et al.'s controller, verl `kl_ctrl.type=adaptive`): it starts at kl_coef and
+    moves toward keeping the step's mean KL at this target; its value is in the checkpoint. null: fixed."""
+    kl_horizon: int = Field(10000, ge=1)
+    """The adaptive controller's horizon in samples (verl `kl_ctrl.horizon`)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus subtracted from the loss."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: samples cut at rollout.max_new_tokens are masked out of the loss (and of its
+    token and sequence counts); counted as `train/truncated_masked` (TRL `mask_truncated_completions`, NeMo-RL
+    `overlong_filtering`). Their rewards still count in their group's advantages."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each step's samples (verl `ppo_epochs`, TRL `num_iterations`); 1 with one mini-batch is on-policy."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per pass: the step's prompt groups, in prompt-id order over the whole global batch, cut
+    into this many mini-batches (verl's train batch / `ppo_mini_batch_size`). The ratio stays against the
+    rollout's log-probabilities."""
     lr: float = Field(1e-4, gt=0)
-    """AdamW learning rate."""
+    """AdamW's peak learning rate."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """RL steps of linear warmup: step s (from 0) trains at lr x (s + 1) / lr_warmup_steps."""
+    lr_decay: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: `constant`, or `linear` / `cosine` decay from lr to min_lr at lr_decay_steps."""
+    lr_decay_steps: int | None = Field(None, ge=1)
+    """The RL step at which decay reaches min_lr; null: train.steps."""
+    min_lr: float = Field(0.0, ge=0)
+    """The floor of `linear` and `cosine` decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's (beta1, beta2)."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW's epsilon."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     grad_clip: float = Field(1.0, ge=0)
     """Global gradient-norm clip; 0 disables clipping."""
-    clip_low: float = Field(0.2, ge=0, le=1)
-    """PPO ratio clip below 1: the ratio is clipped to [1 - clip_low, 1 + clip_high]."""
-    clip_high: float = Field(0.28, ge=0)
-    """PPO ratio clip above 1 (DAPO's clip-higher when larger than clip_low)."""
-    kl_coef: float = Field(0.0, ge=0)
-    """Weight of the k3 KL estimate to the frozen reference policy; 0 skips the reference model."""
-    entropy_coef: float = Field(0.0, ge=0)
-    """Weight of the entropy bonus subtracted from the loss."""
-    updates_per_step: int = Field(1, ge=1)
-    """Optimizer passes over each step's samples (1 = on-policy)."""
     balance: Literal["flops", "tokens", "none"] = "flops"
     """Data-parallel load balancing before the update: Karmarkar-Karp, then whole-group exchanges that
     lower the heaviest rank (`sched/balance.py::balanced_partition`), over a FLOPs proxy (a*L + L^2),
@@ -157,6 +217,61 @@ class TrainConfig(Section):
     """Vision-language policies (Qwen2-VL): train the vision tower too (it is then in the optimizer, the
     data-parallel all-reduce and the weight sync); false keeps it frozen at the checkpoint's weights and
     syncs only the language model. True with a text-only model is refused."""
+
+    @property
+    def agg_mode(self) -> str:
+        """The loss aggregation in effect (loss_agg_mode, or the loss mode's own)."""
+        return self.loss_agg_mode or ("seq-mean-token-mean" if self.loss_mode == "gspo" else "token-mean")
+
+    @model_validator(mode="after")
+    def _recipe_fields_agree(self) -> TrainConfig:
+        default = TrainConfig.model_fields
+        if self.adv_estimator == "gae":
+            raise ValueError("train.adv_estimator=gae needs a value model (a critic), which this trainer does not "
+                             "have yet; use grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline")
+        grpo_fields = [f for f in ("norm_adv_by_std", "adv_std", "adv_eps") if getattr(self, f) != default[f].default]
+        if grpo_fields and self.adv_estimator != "grpo":
+            raise ValueError(f"train.{grpo_fields[0]}={getattr(self, grpo_fields[0])} only shapes the grpo estimator, "
+                             f"but train.adv_estimator={self.adv_estimator}; drop train.{grpo_fields[0]}")
+        for f in ("adv_std", "adv_eps"):
+            if f in grpo_fields and not self.norm_adv_by_std:
+                raise ValueError(f"train.{f}={getattr(self, f)} shapes the division by the group std, which "
+                                 "train.norm_adv_by_std=false (Dr.GRPO) turns off; drop train." + f)
+        if self.gamma != 1.0 and self.adv_estimator != "reinforce_plus_plus":
+            raise ValueError(f"train.gamma={self.gamma:g} discounts reinforce_plus_plus's per-token returns only, but "
+                             f"train.adv_estimator={self.adv_estimator}; drop train.gamma")
+        if self.loss_mode == "gspo" and self.agg_mode != "seq-mean-token-mean":
+            raise ValueError(f"train.loss_mode=gspo with train.loss_agg_mode={self.loss_agg_mode}: GSPO's objective "
+                             "is a mean over sequences of a sequence-level ratio, which another aggregation does not "
+                             "define; use loss_agg_mode=seq-mean-token-mean (or leave it null)")
+        if self.clip_ratio_c is not None and self.loss_mode != "vanilla":
+            raise ValueError(f"train.clip_ratio_c={self.clip_ratio_c:g} is the dual clip of the vanilla loss, but "
+                             f"train.loss_mode={self.loss_mode}; drop train.clip_ratio_c")
+        kl_fields = [f for f in ("kl_estimator", "kl_in_reward", "kl_target")
+                     if getattr(self, f) != default[f].default]
+        if self.kl_coef == 0 and kl_fields:
+            raise ValueError(f"train.{kl_fields[0]}={getattr(self, kl_fields[0])} shapes the KL term, but "
+                             "train.kl_coef=0 turns it off; set train.kl_coef > 0, or drop "
+                             f"train.{kl_fields[0]}")
+        if self.kl_horizon != default["kl_horizon"].default and self.kl_target is None:
+            raise ValueError(f"train.kl_horizon={self.kl_horizon} paces the adaptive KL controller, which "
+                             "train.kl_target turns on; set train.kl_target, or drop train.kl_horizon")
+        if self.lr_decay == "constant":
+            for f in ("lr_decay_steps", "min_lr"):
+                if getattr(self, f) != default[f].default:
+                    raise ValueError(f"train.{f}={getattr(self, f)} shapes a decay, but train.lr_decay=constant; "
+                                     f"set train.lr_decay to linear or cosine, or drop train.{f}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr:g} is above train.lr={self.lr:g}; the floor of the decay "
+                             "must be below the peak")
+        if self.mini_batches > self.prompts_per_step:
+            raise ValueError(f"train.mini_batches={self.mini_batches} is more than train.prompts_per_step="
+                             f"{self.prompts_per_step}: a mini-batch holds whole prompt groups; lower "
+                             "train.mini_batches")
+        for name, beta in zip(("beta1", "beta2"), self.adam_betas):
+            if not 0 <= beta < 1:
+                raise ValueError(f"train.adam_betas {name}={beta:g} must lie in [0, 1)")
+        return self
 
 
 class DynamicSamplingConfig(Section):
@@ -281,6 +396,48 @@ class CheckpointConfig(Section):
     null always waits for the step boundary. Needs MPI THREAD_MULTIPLE."""
 
 
+class EvalConfig(Section):
+    """Validation during training: held-out prompts sampled and scored by the same rollout and GenRM ranks,
+    each trainer replica owning its share of them; nothing is trained on them."""
+
+    sources: list[str] = []
+    """Held-out prompt sources, each in any form `data.source` takes (read with the data section's keys, format
+    and template); each gets its own metrics under `val/<name>/`, <name> the source with every character but
+    letters, digits, `-` and `_` turned into `_`. Empty: no validation."""
+    every: int = Field(10, ge=0)
+    """Validate after every N-th step (and after the last one); 0: only before training (if `before_train`)."""
+    before_train: bool = True
+    """Validate the initial policy before step 1 (logged at step 0)."""
+    samples_per_prompt: int = Field(1, ge=1)
+    """Responses per held-out prompt (n); pass@k is reported for k = 1, 2, 4, ... up to n, and n."""
+    temperature: float | None = Field(None, ge=0)
+    """Sampling temperature of validation; 0 is greedy (then samples_per_prompt must be 1); null: rollout's."""
+    max_prompts: int | None = Field(None, ge=1)
+    """Held-out prompts per source at most (the first ones of the source's order); null: all its rows."""
+
+    @model_validator(mode="after")
+    def _greedy_is_one_sample(self) -> EvalConfig:
+        if self.temperature == 0 and self.samples_per_prompt > 1:
+            raise ValueError(f"eval.temperature=0 (greedy) gives the same response every time, so "
+                             f"eval.samples_per_prompt={self.samples_per_prompt} would count one answer "
+                             f"{self.samples_per_prompt} times; set eval.samples_per_prompt=1 or a temperature > 0")
+        if not self.sources:
+            given = [f for f in ("every", "before_train", "samples_per_prompt", "temperature", "max_prompts")
+                     if getattr(self, f) != EvalConfig.model_fields[f].default]
+            if given:
+                raise ValueError(f"eval.{given[0]} is set but eval.sources is empty, so nothing is validated; "
+                                 "list the held-out sources in eval.sources, or drop eval." + given[0])
+        names = [eval_name(src) for src in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval.sources {self.sources} give two sources the same metric name; list each once")
+        return self
+
+
+def eval_name(source: str) -> str:
+    """The metric name of an eval source: `val/<this>/...`."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", source.rstrip("/").split("/")[-1] if "/" in source else source)
+
+
 class LoggingConfig(Section):
     """Metrics and logs."""
 
@@ -292,7 +449,8 @@ class LoggingConfig(Section):
     """Show a rich progress line on the leader."""
 
 
-SECTIONS = ("model", "data", "train", "rollout", "reward", "placement", "checkpoint", "health", "slurm", "logging")
+SECTIONS = ("model", "data", "train", "rollout", "reward", "eval", "placement", "checkpoint", "health", "slurm",
+            "logging")
 
 
 class RunConfig(Section):
@@ -308,6 +466,8 @@ class RunConfig(Section):
     """Sampling."""
     reward: RewardConfig = RewardConfig()
     """Scoring."""
+    eval: EvalConfig = EvalConfig()
+    """Validation during training."""
     placement: PlacementConfig = PlacementConfig()
     """Where groups run."""
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -328,6 +488,16 @@ class RunConfig(Section):
                              f"slurm.signal={self.slurm.signal}: Slurm would kill the job before the checkpoint of a "
                              "given-up step is written; lower checkpoint.stop_grace_s (leave time to write a "
                              "checkpoint) or raise the @seconds of slurm.signal")
+        buffer = self.reward.overlong_buffer_len
+        if buffer is not None and buffer >= self.rollout.max_new_tokens:
+            raise ValueError(f"reward.overlong_buffer_len={buffer} must be below rollout.max_new_tokens="
+                             f"{self.rollout.max_new_tokens}: the penalty ramps over the last overlong_buffer_len "
+                             "tokens before the cap; lower it")
+        if self.eval.sources and self.placement.dynamic_split:
+            raise ValueError("eval.sources with placement.dynamic_split: validation runs between steps, where a "
+                             "dynamic split moves engines between rollout and GenRM and the held-out prompts would "
+                             "meet engines the new weights have not reached; validate with a fixed split "
+                             "(placement.dynamic_split=false) or drop eval.sources")
         engines = ("rollout",) + (("genrm",) if self.reward.mode != "rule_only" else ())
         for group in engines:
             shape = getattr(self.placement, group)
