@@ -96,7 +96,7 @@ def main() -> None:
                             prompt_len=np.full(n, plen, np.int32), prompt_tokens=rng.integers(0, 150000, n * plen),
                             response_len=np.full(n, rlen, np.int32), response_tokens=rng.integers(0, 150000, n * rlen),
                             logprobs=np.full(n * rlen, -5.0, np.float32))
-        update_s = timed(lambda: policy.update(batch, np.tile([1.0, -1.0], n // 2).astype(np.float32), float(n * rlen)))
+        update_s = timed(lambda: policy.update(batch, np.tile([1.0, -1.0], n // 2).astype(np.float32)))
         policy.optimizer.zero_grad(set_to_none=True)
         results.append(swap("trainer (params + reference + AdamW)", policy.release_memory, policy.resume_memory,
                             args.repeats))

@@ -71,8 +71,8 @@ def test_grpo_update_on_cuda_and_release_resume_is_exact(nccl_world):
     assert kept.device.type == "cuda"
     batch, adv = _batch(kept.hf_config.vocab_size)
     tokens = float(batch.response_len.sum())
-    first = kept.update(batch, adv, tokens)
-    moved.update(batch, adv, tokens)
+    first = kept.update(batch, adv)
+    moved.update(batch, adv)
     assert math.isfinite(first.loss) and first.grad_norm > 0 and first.tokens == tokens
 
     footprint = _device_bytes(moved)
@@ -85,8 +85,8 @@ def test_grpo_update_on_cuda_and_release_resume_is_exact(nccl_world):
 
     moved.resume_memory()
     assert moved.device.type == "cuda"
-    kept.update(batch, adv, tokens)
-    moved.update(batch, adv, tokens)
+    kept.update(batch, adv)
+    moved.update(batch, adv)
     for (name, a), (_, b) in zip(kept.model.named_parameters(), moved.model.named_parameters()):
         assert torch.equal(a, b), name
 

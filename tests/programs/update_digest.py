@@ -38,7 +38,7 @@ def batch_of(rng: np.random.Generator, prompts: int, samples: int, tokens: int):
         prompt_tokens=np.concatenate([prompt[g] for g in order]).astype(np.int32),
         response_len=lengths.astype(np.int32), response_tokens=np.concatenate(responses).astype(np.int32),
         logprobs=rng.uniform(-12, -10, int(lengths.sum())).astype(np.float32))
-    return batch, rng.standard_normal(len(order)).astype(np.float32), float(lengths.sum())
+    return batch, rng.standard_normal(len(order)).astype(np.float32)
 
 
 def digest(tensors) -> str:

@@ -63,7 +63,7 @@ EFFECT: dict[str, str] = {
     "train.clip_high": f"{EFFECTS}::test_clip_high_clips_ratios_above_one_for_positive_advantages",
     "train.kl_coef": f"{EFFECTS}::test_kl_coef_builds_the_reference_and_adds_its_kl",
     "train.entropy_coef": f"{EFFECTS}::test_entropy_coef_is_the_weight_of_the_entropy_bonus",
-    "train.updates_per_step": f"{EFFECTS}::test_updates_per_step_is_the_number_of_optimizer_steps",
+    "train.epochs": f"{EFFECTS}::test_epochs_is_the_number_of_passes_each_one_optimizer_step",
     "train.balance": f"{RUN}::test_balance_none_moves_nothing_and_flops_balances_every_step",
     "train.balance_flops_coeff": "tests/unit/test_balance.py::"
                                  "test_balance_and_balance_flops_coeff_choose_the_workload_groups_are_split_by",

@@ -217,7 +217,7 @@ def _update(policy, advantage, old_logp: float = -2.0):
     batch = _batch(policy.hf_config.vocab_size, old_logp)
     adv = np.where(np.arange(len(batch)) % 2 == 0, 1.0, -1.0) if advantage is None else np.full(len(batch), advantage)
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
-    stats = policy.update(batch, adv.astype(np.float32), float(batch.response_len.sum()))
+    stats = policy.update(batch, adv.astype(np.float32))
     return stats, before
 
 
@@ -269,10 +269,10 @@ def test_clip_high_clips_ratios_above_one_for_positive_advantages(one_rank_world
 
 @needs_demo_models
 def test_kl_coef_builds_the_reference_and_adds_its_kl(one_rank_world):
-    plain = _policy(kl_coef=0.0, updates_per_step=2, lr=1e-2)
+    plain = _policy(kl_coef=0.0, epochs=2, lr=1e-2)
     assert plain.reference is None
     assert _update(plain, None)[0].kl == 0.0
-    with_kl = _policy(kl_coef=0.5, updates_per_step=2, lr=1e-2)
+    with_kl = _policy(kl_coef=0.5, epochs=2, lr=1e-2)
     assert with_kl.reference is not None
     assert _update(with_kl, None)[0].kl > 0  # the second pass scores a policy that moved off the reference
 
@@ -289,8 +289,8 @@ def test_entropy_coef_is_the_weight_of_the_entropy_bonus(one_rank_world, entropy
 
 @needs_demo_models
 @pytest.mark.parametrize("passes", [1, 3])
-def test_updates_per_step_is_the_number_of_optimizer_steps(one_rank_world, passes):
-    policy = _policy(updates_per_step=passes)
+def test_epochs_is_the_number_of_passes_each_one_optimizer_step(one_rank_world, passes):
+    policy = _policy(epochs=passes)
     _update(policy, None)
     assert {int(s["step"]) for s in policy.optimizer.state.values()} == {passes}
 

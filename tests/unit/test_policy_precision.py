@@ -32,7 +32,7 @@ def test_bf16_model_keeps_fp32_masters_and_optimizer_state(one_rank_world):
     assert {m.dtype for m in policy.master.values()} == {torch.float32}
     start = {n: m.clone() for n, m in policy.master.items()}
     batch, adv = _batch(policy.hf_config.vocab_size)
-    stats = policy.update(batch, adv, float(batch.response_len.sum()))
+    stats = policy.update(batch, adv)
     assert math.isfinite(stats.loss) and stats.grad_norm > 0
     state = [s for s in policy.optimizer.state.values()]
     assert state and all(s["exp_avg"].dtype == torch.float32 and s["exp_avg_sq"].dtype == torch.float32 for s in state)
@@ -51,7 +51,7 @@ def test_bf16_model_keeps_fp32_masters_and_optimizer_state(one_rank_world):
 def test_checkpoint_tensors_are_the_fp32_masters_and_load_back_exactly(one_rank_world):
     policy, other = _policy(torch.bfloat16), _policy(torch.bfloat16)
     batch, adv = _batch(policy.hf_config.vocab_size)
-    policy.update(batch, adv, float(batch.response_len.sum()))
+    policy.update(batch, adv)
     saved = policy.checkpoint_tensors()
     params = dict(policy.model.named_parameters())
     assert all(saved[n].dtype == torch.float32 and torch.equal(saved[n], policy.master[n]) for n in params)

@@ -98,7 +98,7 @@ def test_train_vision_tower_decides_whether_the_tower_moves(vlm_dir, one_rank_wo
     policy = _policy(vlm_dir, one_rank_world, train_vision_tower=train_tower)
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     batch = _batch(vlm_dir)
-    policy.update(batch, np.array([1.0, -1.0, 0.5, -0.5]), float(batch.response_len.sum()))
+    policy.update(batch, np.array([1.0, -1.0, 0.5, -0.5]))
     moved = {n for n, p in policy.model.named_parameters() if not torch.equal(p, before[n])}
     assert any(n.startswith("decoder.") for n in moved)
     assert any(n.startswith("visual.") for n in moved) == train_tower
@@ -163,9 +163,9 @@ def test_shared_prompt_update_on_image_prompts_equals_the_padded_update(vlm_dir,
     batch.response_tokens = np.concatenate(responses).astype(np.int32)
     batch.response_len = np.array([len(r) for r in responses], np.int32)
     batch.logprobs = np.full(int(batch.response_len.sum()), -3.0, np.float32)
-    adv, tokens = np.array([1.0, -1.0, 0.5, -0.5], np.float32), float(batch.response_len.sum())
+    adv = np.array([1.0, -1.0, 0.5, -0.5], np.float32)
     before = parameters(padded)
-    a, b = linear_steps(shared).update(batch, adv, tokens), linear_steps(padded).update(batch, adv, tokens)
+    a, b = linear_steps(shared).update(batch, adv), linear_steps(padded).update(batch, adv)
     for key in ("loss", "entropy", "clip_frac", "grad_norm", "tokens", "logp_diff_max"):
         assert getattr(a, key) == pytest.approx(getattr(b, key), rel=1e-4, abs=1e-6), key
     assert 0 < sum(embedded["shared"]) < sum(embedded["padded"])

@@ -13,6 +13,7 @@ import logging
 import numpy as np
 from mpi4py import MPI
 
+from yatt_hpc.algos.overlong import overlong_penalty
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.comm.transport import (
     TAG_COUNT,
@@ -188,6 +189,12 @@ class GenRMController(BaseController):
         got = self.terms.score(rows)
         batch.rule_score, batch.genrm_score, batch.parse_fail, batch.reward = \
             got.rule_score, got.genrm_score, got.parse_fail, got.reward
+        rc = self.cfg.reward
+        if rc.overlong_buffer_len is not None:  # DAPO's soft overlong punishment, added to the reward
+            penalty = overlong_penalty(batch.response_len, max_len=self.cfg.rollout.max_new_tokens,
+                                       buffer_len=rc.overlong_buffer_len, factor=rc.overlong_penalty_factor)
+            batch.reward = (batch.reward + penalty).astype(np.float32)
+            got.values["overlong"] = penalty
         for name, values in got.values.items():  # reward/<name>/mean (runtime/summary.py)
             self.stats.add(f"reward_term/{name}", float(values.sum()))
         self.stats.add("reward_term_samples", len(batch))

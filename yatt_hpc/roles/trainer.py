@@ -16,8 +16,8 @@ Data flow of one step (no driver; every arrow is point-to-point MPI between the 
       .-----------------------------------------------------'  the k kept groups   TAG_SCORED
       v
     trainer replica d: dispatched but not kept -> front of its queue (overdispatch.py)
-      -> sort by sample id -> broadcast to its TP peers -> group advantages
-      -> Megatron forward/backward, DP all-reduce of grads -> AdamW
+      -> sort by sample id -> broadcast to its TP peers -> advantages (train.adv_estimator)
+      -> per mini-batch: Megatron forward/backward, DP all-reduce of grads -> AdamW
       -> gather TP shards -> HF names -> buckets ---------> its rollout ranks    TAG_WEIGHTS
          (by MPI bytes, or by broadcast over the pair's own process group, or as CUDA IPC handles:
           rollout.weight_transport, decided per engine in placement/weight_transport.py)
@@ -38,6 +38,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from yatt_hpc.algos.advantages import estimate
+from yatt_hpc.algos.kl import AdaptiveKL, kl_estimate
+from yatt_hpc.algos.schedule import learning_rate
 from yatt_hpc.batch import SampleBatch, image_columns
 from yatt_hpc.ckpt import RankState, capture_rng, load_optimizer_tensors, optimizer_tensors, restore_rng
 from yatt_hpc.comm.doorbell import DOORBELL
@@ -59,7 +62,7 @@ from yatt_hpc.sched.balance import balance_coeff
 from yatt_hpc.sched.dynamic_sampling import DynamicSampler, has_signal
 from yatt_hpc.sched.overdispatch import PromptQueue, dispatch_count
 from yatt_hpc.sched.routing import Routes
-from yatt_hpc.train.grpo import group_advantages
+from yatt_hpc.train.step_plan import plan_update
 from yatt_hpc.vision.processor import ImageProcessor, is_vision_model
 
 log = logging.getLogger(__name__)
@@ -104,6 +107,9 @@ class TrainerController(BaseController):
         self.policy = MegatronPolicy.from_hf(cfg.model.path, self.tp_rank, tp, cfg.train,
                                              dtype=getattr(torch, cfg.model.dtype),
                                              temperature=cfg.rollout.temperature)
+        tc = cfg.train
+        # the KL weight: fixed, or Ziegler et al.'s controller toward train.kl_target (its value is checkpointed)
+        self.kl = AdaptiveKL(tc.kl_coef, tc.kl_target or 0.0, tc.kl_horizon)
         self.balancer = self._build_balancer()  # its cost model reads the policy's config
         pairs = weight_pairs(world.plan, cfg.rollout.weight_transport, cfg.rollout.engine)
         self.weights_out = WeightSender(world.comm, pairs, cfg.rollout.weight_sync_bucket_mb, device=device)
@@ -138,16 +144,58 @@ class TrainerController(BaseController):
         batch = bcast_batch(self.replica_comm, batch, root=0)
         if not self.is_owner:
             self.stats.hold(len(batch))
-        advantages = group_advantages(batch.reward, batch.prompt_id)     # GRPO advantages
         with holding_devices(self.stats, self.policy, self.colocate):   # rollout and GenRM had them
             with self.stats.phase("train"):
-                global_tokens = self.world.group_comm.allreduce(
-                    int(batch.response_len.sum()) if self.is_owner else 0)
-                update = self.policy.update(batch, advantages, float(global_tokens))
+                update = self.train_on(batch, step)
             with self.stats.phase("weight_sync"):
                 self.sync_weights()
         self.report(batch, update)
         self.stats.hold(-len(batch))
+
+    def train_on(self, batch: SampleBatch, step: int):
+        """Advantages, the mini-batch plan, this step's learning rate, the update; then the KL controller."""
+        tc = self.cfg.train
+        penalties, kl_seen = None, np.zeros(2)
+        if tc.kl_in_reward:  # r_t -= beta kl_t, kl of the sampling policy (the rollout's logprobs) to the reference
+            ref = self.policy.reference_logprobs(batch)
+            kl = [kl_estimate(tc.kl_estimator, torch.from_numpy(old.astype(np.float32)), torch.from_numpy(r)).numpy()
+                  for old, r in zip(batch.ragged("logprobs"), ref)]
+            penalties = [self.kl.coef * k.astype(np.float64) for k in kl]
+            kl_seen = np.array([sum(float(k.sum()) for k in kl), float(batch.response_len.sum())])
+        adv = estimate(tc.adv_estimator, batch.reward, batch.prompt_id, batch.response_len, token_penalties=penalties,
+                       eps=tc.adv_eps, norm_by_std=tc.norm_adv_by_std, std=tc.adv_std, gamma=tc.gamma,
+                       reduce=self.sum_over_replicas)
+        plan = plan_update(batch, tc, self.cfg.rollout.max_new_tokens, gather=self.gather_over_replicas,
+                           reduce=self.sum_over_replicas, kl_coef=0.0 if tc.kl_in_reward else self.kl.coef)
+        lr = learning_rate(step, base=tc.lr, warmup_steps=tc.lr_warmup_steps, decay=tc.lr_decay,
+                           decay_steps=tc.lr_decay_steps or tc.steps, min_lr=tc.min_lr)
+        self.policy.set_lr(lr)
+        update = self.policy.update(batch, adv.values, plan)
+        if not tc.kl_in_reward:
+            kl_seen = np.array([update.kl, update.tokens])
+        self.stats.values.update({"lr": lr, "kl_coef": self.kl.coef})
+        if self.is_owner:
+            self.stats.add("no_signal", adv.no_signal)
+            self.stats.add("truncated_masked", plan.truncated_masked)
+            self.stats.add("kl_sum", float(kl_seen[0]))
+            self.stats.add("kl_tokens", float(kl_seen[1]))
+            self.stats.values["optimizer_steps"] = float(update.optimizer_steps)
+        if tc.kl_target is not None:
+            kl_sum, tokens, samples = self.sum_over_replicas(np.array([*kl_seen, len(batch)], np.float64))
+            self.kl.update(kl_sum / max(tokens, 1.0), int(samples))
+        return update
+
+    def sum_over_replicas(self, values: np.ndarray) -> np.ndarray:
+        """`values` summed over the data-parallel replicas (each replica's owner contributes; every trainer
+        rank gets the sum): the global-batch statistics of `yatt_hpc/algos/`."""
+        values = np.ascontiguousarray(values, np.float64)
+        out = np.empty_like(values)
+        self.world.group_comm.Allreduce(values if self.is_owner else np.zeros_like(values), out, op=MPI.SUM)
+        return out
+
+    def gather_over_replicas(self, items: list) -> list:
+        """`items` of every data-parallel replica's owner, concatenated, on every trainer rank."""
+        return [x for part in self.world.group_comm.allgather(items if self.is_owner else []) for x in part]
 
     # ------------------------------------------------------------------ pieces
 
@@ -312,7 +360,8 @@ class TrainerController(BaseController):
                     "step": step, "world_rank": self.world.rank}
         return {"rng": capture_rng(), "data_position": position,
                 "extra": {"sampling": self.sampler.state(),
-                          "routing": {"expected_response": float(self.expected_response)}}}
+                          "routing": {"expected_response": float(self.expected_response)},
+                          "kl": {"coef": float(self.kl.coef)}}}
 
     def checkpoint_state(self, step: int, light: dict | None = None) -> RankState:
         """Parameters (dp rank 0 of the shard), optimizer state, and `light_state` (now, or from the step start)."""
@@ -339,6 +388,7 @@ class TrainerController(BaseController):
         self.queue.load_state(restored.data_position["next_index"], restored.data_position.get("returned", ()))
         self.sampler.load_state(restored.extra["sampling"])
         self.expected_response = float(restored.extra.get("routing", {}).get("expected_response", self.expected_response))
+        self.kl.coef = float(restored.extra.get("kl", {}).get("coef", self.kl.coef))
 
     def rewind_logs(self, step: int) -> None:
         self.consumed.truncate(step)
@@ -363,7 +413,7 @@ class TrainerController(BaseController):
         for key, value in {
             "samples": len(batch), "reward_sum": batch.reward.sum(), "rule_sum": batch.rule_score.sum(),
             "agree_sum": agree.sum(), "parse_fail_sum": batch.parse_fail.sum(),
-            "response_tokens": batch.response_len.sum(), "loss": update.loss, "kl_sum": update.kl,
+            "response_tokens": batch.response_len.sum(), "loss": update.loss,
             "entropy_sum": update.entropy, "tokens": update.tokens, "clip_sum": update.clip_frac,
         }.items():
             self.stats.add(key, float(value))

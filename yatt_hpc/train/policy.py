@@ -1,13 +1,17 @@
-"""The trainer's policy: a Megatron-Core GPTModel shard, AdamW (`train/adamw.py`), and one GRPO update on a batch.
+"""The trainer's policy: a Megatron-Core GPTModel shard, AdamW (`train/adamw.py`), and one RL update on a batch.
 
     policy = MegatronPolicy.from_hf(model_dir, tp_rank, tp_size, cfg.train)   # after initialize_model_parallel
-    stats = policy.update(batch, advantages, global_tokens)                   # samples of this DP replica
+    policy.set_lr(lr)                                                         # this step's rate
+    stats = policy.update(batch, advantages, plan)                            # samples of this DP replica
     for name, tensor in policy.hf_weights(): ...                              # collective over the TP group
 
-Data parallelism is plain: each DP replica computes gradients on its own samples, the loss is
-already divided by the global token count, so an all-reduce SUM over the DP group gives the exact
-gradient of the whole batch's token-mean loss. (Megatron's DDP and optimizer hard-code CUDA; on
-GPU the same code runs with NCCL.)
+The update runs `plan.epochs` passes; each pass one optimizer step per mini-batch
+(`train/step_plan.py`), each micro-batch's loss the policy loss of `train.loss_mode` aggregated by
+`train.loss_agg_mode` with the KL and entropy terms (`yatt_hpc/algos/`). Data parallelism is plain:
+each DP replica computes gradients on its own samples, every aggregate is already divided by the
+mini-batch's global counts, so an all-reduce SUM over the DP group gives the exact gradient of the
+whole mini-batch's loss. (Megatron's DDP and optimizer hard-code CUDA; on GPU the same code runs
+with NCCL.)
 
 Mixed precision (`model.dtype: bfloat16`): the Megatron model holds bf16 parameters (forward,
 backward, weight sync and the engines all in bf16); AdamW runs on fp32 master copies. After a
@@ -31,6 +35,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from yatt_hpc.algos.aggregate import Totals, aggregate
+from yatt_hpc.algos.kl import kl_estimate
+from yatt_hpc.algos.policy_loss import token_loss
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.device.offload import HostParking
@@ -38,9 +45,9 @@ from yatt_hpc.metrics.activity import ACTIVITY
 from yatt_hpc.models.hf_config import load_hf_config
 from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
 from yatt_hpc.train.adamw import AdamW
-from yatt_hpc.train.grpo import policy_loss
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
+from yatt_hpc.train.step_plan import UpdatePlan, whole_batch_plan
 from yatt_hpc.vision.processor import ImageProcessor
 
 
@@ -53,6 +60,16 @@ class UpdateStats:
     grad_norm: float
     tokens: float
     logp_diff_max: float = 0.0  # max |trainer logp - rollout logp| before the update: weight-sync health
+    optimizer_steps: int = 0
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """What a micro-batch's loss needs beyond its tensors: the mini-batch's global counts and the weights."""
+
+    totals: Totals
+    kl_coef: float
+    norm_len: float
 
 
 def load_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -84,7 +101,7 @@ class MegatronPolicy:
         self.master = {name: _master_copy(p) for name, p in self.named_params.items()} if self.mixed \
             else self.named_params
         self.optimizer = AdamW(self.master.values(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                               betas=(0.9, 0.999), eps=1e-8)
+                               betas=cfg.adam_betas, eps=cfg.adam_eps)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         # the rollout's sampling temperature: logprobs score the distribution the tokens came from
@@ -116,30 +133,76 @@ class MegatronPolicy:
 
     # ------------------------------------------------------------------ the update
 
-    def update(self, batch: SampleBatch, advantages: np.ndarray, global_tokens: float) -> UpdateStats:
-        """One optimizer step (per `updates_per_step` pass) over this replica's samples."""
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the coming optimizer steps (`yatt_hpc/algos/schedule.py` decides it per RL step)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def update(self, batch: SampleBatch, advantages: list[np.ndarray] | np.ndarray,
+               plan: UpdatePlan | None = None) -> UpdateStats:
+        """`plan.epochs` passes over this replica's samples, one optimizer step per mini-batch of each.
+        `advantages` holds one array per sample, one value per response token (or one number per sample, for
+        every token of it). No plan: this process holds the whole batch (`whole_batch_plan`)."""
+        if isinstance(advantages, np.ndarray):
+            advantages = [np.full(n, a, np.float32) for a, n in zip(advantages, batch.response_len)]
+        if plan is None:
+            plan = whole_batch_plan(batch, self.cfg)
         totals = UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         self.model.train()
         pixels = self._group_pixels(batch)
-        for update in range(self.cfg.updates_per_step):
-            self.optimizer.zero_grad(set_to_none=True)
-            for start in range(0, len(batch), self.cfg.micro_batch_size):
-                index = np.arange(start, min(start + self.cfg.micro_batch_size, len(batch)))
-                stats = self._micro_step(batch.select(index), advantages[index], global_tokens, pixels)
-                ACTIVITY.progress()
-                for key in ("loss", "kl", "entropy", "clip_frac", "tokens"):
-                    setattr(totals, key, getattr(totals, key) + getattr(stats, key))
-                if update == 0:
-                    totals.logp_diff_max = max(totals.logp_diff_max, stats.logp_diff_max)
-            self._grads_to_master()
-            self._allreduce_grads()
-            totals.grad_norm = self._clip_grads()
-            self.optimizer.step()
-            self._master_to_model()
-        passes = self.cfg.updates_per_step
-        for key in ("loss", "kl", "entropy", "clip_frac", "tokens"):
-            setattr(totals, key, getattr(totals, key) / passes)
+        steps = 0
+        for _ in range(plan.epochs):
+            for index, counts in zip(plan.minibatches, plan.totals):
+                terms = LossTerms(counts, plan.kl_coef, plan.norm_len)
+                self.optimizer.zero_grad(set_to_none=True)
+                for start in range(0, len(index), self.cfg.micro_batch_size):
+                    micro = index[start:start + self.cfg.micro_batch_size]
+                    stats = self._micro_step(batch.select(micro), [advantages[i] for i in micro], plan.keep[micro],
+                                             terms, pixels)
+                    ACTIVITY.progress()
+                    for key in ("loss", "kl", "entropy", "clip_frac", "tokens"):
+                        setattr(totals, key, getattr(totals, key) + getattr(stats, key))
+                    if steps == 0:  # only the first optimizer step scores the weights the rollout sampled with
+                        totals.logp_diff_max = max(totals.logp_diff_max, stats.logp_diff_max)
+                self._grads_to_master()
+                self._allreduce_grads()
+                totals.grad_norm += self._clip_grads()
+                self.optimizer.step()
+                self._master_to_model()
+                steps += 1
+        for key in ("kl", "entropy", "clip_frac", "tokens"):  # sums over the samples, once each
+            setattr(totals, key, getattr(totals, key) / plan.epochs)
+        totals.loss /= plan.epochs  # the mini-batches' losses add up to the whole batch's
+        totals.grad_norm /= max(steps, 1)
+        totals.optimizer_steps = steps
         return totals
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: SampleBatch) -> list[np.ndarray]:
+        """The frozen reference's log-probability of every response token, one array per sample (the KL
+        in the reward); collective over the TP group, like a forward."""
+        out: list[np.ndarray] = []
+        pixels = self._group_pixels(batch)
+        for start in range(0, len(batch), self.cfg.micro_batch_size):
+            mb = batch.select(np.arange(start, min(start + self.cfg.micro_batch_size, len(batch))))
+            if self.share_prompts:
+                layout = shared_prompt.build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"),
+                                                    mb.prompt_id)
+                vision = None if self.images is None else \
+                    update_images.shared_inputs(self.images, mb, layout, pixels, self.device)
+                logp, _ = self._shared_logprobs(self.reference, layout.to(self.device), vision)
+                out.extend(row[:n] for row, n in zip(logp.float().cpu().numpy(), mb.response_len))
+            else:
+                tokens, _, _ = pack_micro_batch(mb)
+                tokens = tokens.to(self.device)
+                inputs, targets = tokens[:, :-1], tokens[:, 1:]
+                logits = megatron_model.forward_logits(self.reference, inputs,
+                                                       images=self.vision_inputs(mb, inputs, pixels))
+                logp, _ = token_logprobs_and_entropy(logits, targets, self.tp_group, self.vocab_size, self.temperature)
+                rows = logp.float().cpu().numpy()
+                out.extend(rows[i, p - 1:p - 1 + n] for i, (p, n) in enumerate(zip(mb.prompt_len, mb.response_len)))
+            ACTIVITY.progress()
+        return out
 
     @property
     def layout_note(self) -> str:
@@ -160,38 +223,41 @@ class MegatronPolicy:
         return None if self.images is None else \
             update_images.padded_inputs(self.images, mb, inputs, pixels, self.device)
 
-    def _micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float,
+    def _micro_step(self, mb: SampleBatch, adv: list[np.ndarray], keep: np.ndarray, terms: LossTerms,
                     pixels: update_images.Pixels) -> UpdateStats:
         if self.share_prompts:
-            return self._shared_micro_step(mb, adv, global_tokens, pixels)
-        tokens, mask, old_logp = (t.to(self.device) for t in pack_micro_batch(mb))
+            return self._shared_micro_step(mb, adv, keep, terms, pixels)
+        tokens, mask, old_logp = pack_micro_batch(mb)
+        adv_tok = response_aligned(mb.prompt_len, adv, mask.shape[1])
+        tokens, mask, old_logp, adv_tok = (t.to(self.device) for t in (tokens, mask, old_logp, adv_tok))
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         images = self.vision_inputs(mb, inputs, pixels)
         logits = megatron_model.forward_logits(self.model, inputs, images=images)
         logp, entropy = token_logprobs_and_entropy(logits, targets, self.tp_group, self.vocab_size,
                                                    self.temperature)
         ref_logp = None
-        if self.reference is not None:
+        if self.reference is not None and terms.kl_coef:
             with torch.no_grad():
                 ref_logits = megatron_model.forward_logits(self.reference, inputs, images=images)
                 ref_logp, _ = token_logprobs_and_entropy(ref_logits, targets, self.tp_group,
                                                          self.vocab_size, self.temperature)
-        return self._loss_backward(logp, entropy, ref_logp, old_logp, mask, adv, global_tokens)
+        return self._loss_backward(logp, entropy, ref_logp, old_logp, mask, adv_tok, keep, terms)
 
-    def _shared_micro_step(self, mb: SampleBatch, adv: np.ndarray, global_tokens: float,
+    def _shared_micro_step(self, mb: SampleBatch, adv: list[np.ndarray], keep: np.ndarray, terms: LossTerms,
                            pixels: update_images.Pixels) -> UpdateStats:
         """`_micro_step` on the shared-prompt stream: [N, R] response-aligned logprobs instead of [N, L-1]."""
         layout = shared_prompt.build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"), mb.prompt_id)
         old_logp = shared_prompt.padded(mb.ragged("logprobs"), layout.targets.shape[1])
+        adv_tok = shared_prompt.padded(adv, layout.targets.shape[1])
         vision = None if self.images is None else \
             update_images.shared_inputs(self.images, mb, layout, pixels, self.device)
-        layout, old_logp = layout.to(self.device), old_logp.to(self.device)
+        layout, old_logp, adv_tok = layout.to(self.device), old_logp.to(self.device), adv_tok.to(self.device)
         logp, entropy = self._shared_logprobs(self.model, layout, vision)
         ref_logp = None
-        if self.reference is not None:
+        if self.reference is not None and terms.kl_coef:
             with torch.no_grad():
                 ref_logp, _ = self._shared_logprobs(self.reference, layout, vision)
-        return self._loss_backward(logp, entropy, ref_logp, old_logp, layout.mask, adv, global_tokens)
+        return self._loss_backward(logp, entropy, ref_logp, old_logp, layout.mask, adv_tok, keep, terms)
 
     def _shared_logprobs(self, model, layout: shared_prompt.SharedLayout,
                          vision: megatron_model.VisionInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,15 +269,26 @@ class MegatronPolicy:
                                            layout.source)
         return token_logprobs_and_entropy(logits, layout.targets, self.tp_group, self.vocab_size, self.temperature)
 
-    def _loss_backward(self, logp, entropy, ref_logp, old_logp, mask, adv: np.ndarray,
-                       global_tokens: float) -> UpdateStats:
-        adv_tok = torch.from_numpy(adv).float().to(logp.device)[:, None].expand_as(logp)
-        loss, stats = policy_loss(logp, old_logp, adv_tok, mask, clip_low=self.cfg.clip_low,
-                                  clip_high=self.cfg.clip_high, token_count=global_tokens, ref_logp=ref_logp,
-                                  kl_coef=self.cfg.kl_coef, entropy=entropy, entropy_coef=self.cfg.entropy_coef)
-        loss.backward()
+    def _loss_backward(self, logp, entropy, ref_logp, old_logp, mask, adv_tok, keep: np.ndarray,
+                       terms: LossTerms) -> UpdateStats:
+        """The micro-batch's share of the aggregated loss (`yatt_hpc/algos/`), backward; sums for the metrics."""
+        cfg = self.cfg
         diff = float(((logp.detach() - old_logp).abs() * mask).max()) if mask.any() else 0.0
-        return UpdateStats(loss.item(), stats.kl, stats.entropy, stats.clip_frac, 0.0, stats.tokens, diff)
+        mask = mask * torch.from_numpy(keep).to(mask)[:, None]  # train.mask_truncated: out of the loss
+        per_token, clipped = token_loss(cfg.loss_mode, logp, old_logp, adv_tok, mask, clip_low=cfg.clip_low,
+                                        clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c)
+        kl_tok = kl_estimate(cfg.kl_estimator, logp, ref_logp) if ref_logp is not None else None
+        if kl_tok is not None:
+            per_token = per_token + terms.kl_coef * kl_tok
+        if cfg.entropy_coef:
+            per_token = per_token - cfg.entropy_coef * entropy
+        loss = aggregate(per_token, mask, cfg.agg_mode, terms.totals, norm_len=terms.norm_len)
+        loss.backward()
+        with torch.no_grad():
+            m = mask.to(logp.dtype)
+            return UpdateStats(loss=loss.item(), kl=float((kl_tok * m).sum()) if kl_tok is not None else 0.0,
+                               entropy=float((entropy * m).sum()), clip_frac=float((clipped.to(m.dtype) * m).sum()),
+                               grad_norm=0.0, tokens=float(m.sum()), logp_diff_max=diff)
 
     def _allreduce_grads(self) -> None:
         """SUM the gradients the optimizer will step over the DP group, in `GRAD_BUCKET_MB` buckets."""
@@ -348,6 +425,14 @@ def allreduce_bucketed(tensors: list[torch.Tensor], group, limit_bytes: int) -> 
         for t in members:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def response_aligned(prompt_lens: np.ndarray, values: list[np.ndarray], width: int) -> torch.Tensor:
+    """[B, width] float32 with sample i's per-response-token `values` at its target positions P-1 .. P-1+R-1."""
+    out = torch.zeros(len(values), width)
+    for i, (p, v) in enumerate(zip(prompt_lens, values)):
+        out[i, p - 1:p - 1 + len(v)] = torch.from_numpy(np.asarray(v, np.float32))
+    return out
 
 
 def pack_micro_batch(mb: SampleBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
