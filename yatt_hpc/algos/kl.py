@@ -38,13 +38,16 @@ def kl_estimate(kind: str, logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.
 @dataclass
 class AdaptiveKL:
     """Ziegler et al. 2019's proportional controller (verl `kl_ctrl.type=adaptive`, OpenRLHF, TRL's PPO):
-    after each step, coef *= 1 + clip(observed / target - 1, -0.2, 0.2) * n / horizon, n the step's samples."""
+    after each step, coef *= 1 + clip(observed / target - 1, -0.2, 0.2) * n / horizon, n the step's samples.
+    Without a target the coefficient stays fixed."""
 
     coef: float
-    target: float
+    target: float | None
     horizon: int
 
     def update(self, observed: float, n: int) -> float:
+        if self.target is None:
+            return self.coef
         error = min(max(observed / self.target - 1.0, -0.2), 0.2)
         self.coef *= 1.0 + error * n / self.horizon
         return self.coef

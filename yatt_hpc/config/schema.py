@@ -493,11 +493,11 @@ class RunConfig(Section):
             raise ValueError(f"reward.overlong_buffer_len={buffer} must be below rollout.max_new_tokens="
                              f"{self.rollout.max_new_tokens}: the penalty ramps over the last overlong_buffer_len "
                              "tokens before the cap; lower it")
-        if self.eval.sources and self.placement.dynamic_split:
-            raise ValueError("eval.sources with placement.dynamic_split: validation runs between steps, where a "
+        if self.eval.sources and self.placement.dynamic_split.enabled:
+            raise ValueError("eval.sources with placement.dynamic_split.enabled: validation runs between steps, where a "
                              "dynamic split moves engines between rollout and GenRM and the held-out prompts would "
                              "meet engines the new weights have not reached; validate with a fixed split "
-                             "(placement.dynamic_split=false) or drop eval.sources")
+                             "(placement.dynamic_split.enabled=false) or drop eval.sources")
         engines = ("rollout",) + (("genrm",) if self.reward.mode != "rule_only" else ())
         for group in engines:
             shape = getattr(self.placement, group)

@@ -13,6 +13,8 @@ parameters and optimizer state) must be announced with `guard.enter_mutation()` 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
 from yatt_hpc.errors import InputError
 
@@ -56,6 +58,37 @@ def rollout_engine_options(world, cfg) -> dict:
     return opts
 
 
+@dataclass(frozen=True)
+class Round:
+    """What the waves being run generate: the training step's groups or validation's."""
+
+    n: int
+    """Samples per prompt."""
+    temperature: float
+    """The engines' sampling temperature (0: greedy)."""
+    evaluation: bool = False
+
+
+def training_round(cfg) -> Round:
+    return Round(cfg.rollout.samples_per_prompt, cfg.rollout.temperature)
+
+
+def eval_round(cfg) -> Round:
+    temperature = cfg.eval.temperature if cfg.eval.temperature is not None else cfg.rollout.temperature
+    return Round(cfg.eval.samples_per_prompt, temperature, evaluation=True)
+
+
+def eval_due(cfg, after_step: int) -> bool:
+    """Whether validation runs once `after_step` steps are done (0: before the first step): before training
+    with `eval.before_train`, after every `eval.every`-th step and after the last one."""
+    ec = cfg.eval
+    if not ec.sources:
+        return False
+    if after_step == 0:
+        return ec.before_train
+    return ec.every > 0 and (after_step % ec.every == 0 or after_step == cfg.train.steps)
+
+
 class BaseController:
     shard: dict[str, int] = {}
     routes = None  # this step's Routes; every controller sets its own in __init__
@@ -69,6 +102,10 @@ class BaseController:
         raise NotImplementedError
 
     def step(self, step: int) -> None:
+        raise NotImplementedError
+
+    def evaluate(self, step: int) -> dict | None:
+        """This rank's part of a validation round after `step` steps; the leader returns its metrics."""
         raise NotImplementedError
 
     def light_state(self, step: int) -> dict:

@@ -33,7 +33,7 @@ from yatt_hpc.reward.function import row_metadata
 from yatt_hpc.reward.template import load_judge_template
 from yatt_hpc.reward.terms import RewardTerms, ScoringRows
 from yatt_hpc.reward.verdict import build_verdict_parser
-from yatt_hpc.roles.base import BaseController, engine_options, rank_device
+from yatt_hpc.roles.base import BaseController, engine_options, eval_round, rank_device, training_round
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.runtime.rank_stats import RankStats
@@ -52,6 +52,7 @@ class GenRMController(BaseController):
     def __init__(self, world, cfg: RunConfig, stats: RankStats, protocol: StepProtocol):
         self.world, self.cfg, self.stats, self.protocol = world, cfg, stats, protocol
         self.routes = Routes(world.plan)
+        self.round = training_round(cfg)  # validation's in `evaluate`
         self.colocate = world.plan.mode == "colocate"
         self.handshake = cfg.rollout.over_dispatch_ratio > 1.0  # STOP/END with the rollout ranks (overdispatch)
         self.policy_tokenizer = load_tokenizer(cfg.model.path)
@@ -84,6 +85,15 @@ class GenRMController(BaseController):
         """One wave without dynamic sampling; the trainers decide whether another follows."""
         self.protocol.waves(self.wave)
 
+    def evaluate(self, step: int) -> None:
+        """Score the held-out samples as in a step (the same terms and judge), for validation's metrics."""
+        self.round = eval_round(self.cfg)
+        try:
+            with self.stats.aside("eval"):
+                self.protocol.waves(self.wave)
+        finally:
+            self.round = training_round(self.cfg)
+
     def wave(self) -> bool:
         sender = StreamSender(self.world.comm, max_inflight=len(self.replicas) + 1)
         self.protocol.gate(GENERATED)
@@ -99,7 +109,7 @@ class GenRMController(BaseController):
         for d in self.replicas:  # each served replica says what this wave brings: groups to keep, from where
             owner = self.routes.trainer_owner(d)
             msg, _ = recv_ints(self.world.comm, owner, TAG_COUNT)
-            waves[owner] = ReplicaWave(keep=int(msg[0]), n=self.cfg.rollout.samples_per_prompt,
+            waves[owner] = ReplicaWave(keep=int(msg[0]), n=self.round.n,
                                        expected={int(r): int(c) for r, c in zip(msg[1::2], msg[2::2])},
                                        handshake=self.handshake)
         parts: dict[int, list[SampleBatch]] = {owner: [] for owner in waves}

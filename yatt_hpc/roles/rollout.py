@@ -35,7 +35,7 @@ from yatt_hpc.comm.transport import (
 from yatt_hpc.comm.weight_sync import receive_weights
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.placement.weight_transport import weight_pairs
-from yatt_hpc.roles.base import BaseController, rank_device, rollout_engine_options
+from yatt_hpc.roles.base import BaseController, eval_round, rank_device, rollout_engine_options, training_round
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.rollout import GenerationRequest, GenerationResult, build_engine
@@ -53,6 +53,7 @@ class RolloutController(BaseController):
     def __init__(self, world, cfg: RunConfig, stats: RankStats, protocol: StepProtocol):
         self.world, self.cfg, self.stats, self.protocol = world, cfg, stats, protocol
         self.routes = Routes(world.plan)
+        self.round = training_round(cfg)  # what the coming waves generate (validation's, in `evaluate`)
         self.colocate = world.plan.mode == "colocate"
         self.handshake = cfg.rollout.over_dispatch_ratio > 1.0  # STOP/END with GenRM (over-dispatch)
         # finished_groups / finished_samples: the whole wave in one engine call, streamed as it finishes
@@ -76,6 +77,15 @@ class RolloutController(BaseController):
         self.generate_waves()
         self.receive_weights()
 
+    def evaluate(self, step: int) -> None:
+        """Generate the held-out prompts the trainer replicas send (eval's n and temperature); no weights follow."""
+        self.round = eval_round(self.cfg)
+        try:
+            with self.stats.aside("eval"):
+                self.generate_waves()
+        finally:
+            self.round = training_round(self.cfg)
+
     def generate_waves(self) -> None:
         """One wave without dynamic sampling; the trainers decide whether another follows."""
         def wave() -> bool:
@@ -98,7 +108,7 @@ class RolloutController(BaseController):
         # with rollout.streaming=finished_groups (finished_samples), the whole wave in one engine call
         # and each group (sample) the moment it is done. In colocation every send must be in flight before the
         # gate, where GenRM starts receiving.
-        n = self.cfg.rollout.samples_per_prompt
+        n = self.round.n
         whole = self.colocate or self.streaming
         work = RolloutWork(prompts.owner, prompts.prompt_id,
                            max(len(prompts), 1) if whole else max(1, self.cfg.rollout.stream_chunk // n))
@@ -154,7 +164,7 @@ class RolloutController(BaseController):
         row_of = {int(sid): i for i, sid in enumerate(chunk.sample_id)}
         owners = {int(o) for o in np.unique(chunk.owner)}
         genrm_of = {owner: self.genrm_of(owner) for owner in owners}
-        stream = FinishedResults(lambda sid: int(chunk.prompt_id[row_of[sid]]), self.cfg.rollout.samples_per_prompt,
+        stream = FinishedResults(lambda sid: int(chunk.prompt_id[row_of[sid]]), self.round.n,
                                  by_sample=self.streaming == "finished_samples",
                                  dest_of=lambda sid: genrm_of[int(chunk.owner[row_of[sid]])],
                                  expected=Counter(genrm_of[int(o)] for o in chunk.owner))
@@ -221,7 +231,7 @@ class RolloutController(BaseController):
         rc = self.cfg.rollout
         images = {pid: tuple(b.tobytes() for b in group) for pid, group in prompts.group_images().items()}
         return [GenerationRequest(sample_id=int(sid), prompt_ids=p, max_new_tokens=rc.max_new_tokens,
-                                  temperature=rc.temperature, top_p=rc.top_p, images=images.get(int(pid), ()))
+                                  temperature=self.round.temperature, top_p=rc.top_p, images=images.get(int(pid), ()))
                 for sid, pid, p in zip(prompts.sample_id, prompts.prompt_id, prompts.ragged("prompt_tokens"))]
 
     def generate(self, prompts: SampleBatch) -> SampleBatch:

@@ -38,9 +38,6 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from yatt_hpc.algos.advantages import estimate
-from yatt_hpc.algos.kl import AdaptiveKL, kl_estimate
-from yatt_hpc.algos.schedule import learning_rate
 from yatt_hpc.batch import SampleBatch, image_columns
 from yatt_hpc.ckpt import RankState, capture_rng, load_optimizer_tensors, optimizer_tensors, restore_rng
 from yatt_hpc.comm.doorbell import DOORBELL
@@ -57,12 +54,13 @@ from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.base import BaseController, rank_device
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
+from yatt_hpc.roles.validation import HeldOut
 from yatt_hpc.runtime.rank_stats import RankStats
 from yatt_hpc.sched.balance import balance_coeff
 from yatt_hpc.sched.dynamic_sampling import DynamicSampler, has_signal
 from yatt_hpc.sched.overdispatch import PromptQueue, dispatch_count
 from yatt_hpc.sched.routing import Routes
-from yatt_hpc.train.step_plan import plan_update
+from yatt_hpc.train.step_plan import kl_controller, plan_update, reward_kl, step_advantages, step_lr
 from yatt_hpc.vision.processor import ImageProcessor, is_vision_model
 
 log = logging.getLogger(__name__)
@@ -107,10 +105,10 @@ class TrainerController(BaseController):
         self.policy = MegatronPolicy.from_hf(cfg.model.path, self.tp_rank, tp, cfg.train,
                                              dtype=getattr(torch, cfg.model.dtype),
                                              temperature=cfg.rollout.temperature)
-        tc = cfg.train
         # the KL weight: fixed, or Ziegler et al.'s controller toward train.kl_target (its value is checkpointed)
-        self.kl = AdaptiveKL(tc.kl_coef, tc.kl_target or 0.0, tc.kl_horizon)
+        self.kl = kl_controller(cfg.train)
         self.balancer = self._build_balancer()  # its cost model reads the policy's config
+        self.held_out = HeldOut.build(cfg, self.tokenizer, images, self.dp_rank, self.routes.dp)
         pairs = weight_pairs(world.plan, cfg.rollout.weight_transport, cfg.rollout.engine)
         self.weights_out = WeightSender(world.comm, pairs, cfg.rollout.weight_sync_bucket_mb, device=device)
         self.colocate = world.plan.mode == "colocate"
@@ -157,18 +155,12 @@ class TrainerController(BaseController):
         tc = self.cfg.train
         penalties, kl_seen = None, np.zeros(2)
         if tc.kl_in_reward:  # r_t -= beta kl_t, kl of the sampling policy (the rollout's logprobs) to the reference
-            ref = self.policy.reference_logprobs(batch)
-            kl = [kl_estimate(tc.kl_estimator, torch.from_numpy(old.astype(np.float32)), torch.from_numpy(r)).numpy()
-                  for old, r in zip(batch.ragged("logprobs"), ref)]
-            penalties = [self.kl.coef * k.astype(np.float64) for k in kl]
-            kl_seen = np.array([sum(float(k.sum()) for k in kl), float(batch.response_len.sum())])
-        adv = estimate(tc.adv_estimator, batch.reward, batch.prompt_id, batch.response_len, token_penalties=penalties,
-                       eps=tc.adv_eps, norm_by_std=tc.norm_adv_by_std, std=tc.adv_std, gamma=tc.gamma,
-                       reduce=self.sum_over_replicas)
+            penalties, kl_sum = reward_kl(batch, self.policy.reference_logprobs(batch), tc, self.kl.coef)
+            kl_seen = np.array([kl_sum, float(batch.response_len.sum())])
+        adv = step_advantages(batch, tc, penalties, reduce=self.sum_over_replicas)
         plan = plan_update(batch, tc, self.cfg.rollout.max_new_tokens, gather=self.gather_over_replicas,
                            reduce=self.sum_over_replicas, kl_coef=0.0 if tc.kl_in_reward else self.kl.coef)
-        lr = learning_rate(step, base=tc.lr, warmup_steps=tc.lr_warmup_steps, decay=tc.lr_decay,
-                           decay_steps=tc.lr_decay_steps or tc.steps, min_lr=tc.min_lr)
+        lr = step_lr(step, tc)
         self.policy.set_lr(lr)
         update = self.policy.update(batch, adv.values, plan)
         if not tc.kl_in_reward:
@@ -196,6 +188,33 @@ class TrainerController(BaseController):
     def gather_over_replicas(self, items: list) -> list:
         """`items` of every data-parallel replica's owner, concatenated, on every trainer rank."""
         return [x for part in self.world.group_comm.allgather(items if self.is_owner else []) for x in part]
+
+    def evaluate(self, step: int) -> dict | None:
+        """A validation round: each owner sends its held-out prompts (eval's n and temperature), takes them
+        back scored and sums its share; the owners add their sums; the leader returns val/... metrics."""
+        sums = np.zeros((len(self.held_out.names), self.held_out.width()))
+        routing = self.expected_response  # validation's lengths must not steer training's routing
+        with self.stats.aside("eval"):
+            if self.is_owner:
+                def wave() -> bool:
+                    ids, rows, prompts = self.held_out.share()
+                    self.send_prompts(ids, rows, prompts, self.held_out.n, keep=len(ids))
+                    self.protocol.gate(GENERATED)
+                    self.protocol.gate(SCORED)
+                    scored = self.collect_scored()
+                    sums[:] = self.held_out.sums(scored)
+                    self.stats.hold(-len(scored))
+                    return False
+
+                self.protocol.waves(wave)
+            else:
+                self.follow_waves()
+        self.expected_response = routing
+        if not self.is_owner:
+            return None
+        total = np.empty_like(sums)
+        self.owners_comm.Allreduce(sums, total, op=MPI.SUM)
+        return self.held_out.scalars(total) if self.world.is_leader else None
 
     # ------------------------------------------------------------------ pieces
 
@@ -258,13 +277,20 @@ class TrainerController(BaseController):
         positions, reused = self.queue.take(dispatch_count(keep, self.ratio))
         rows = [self.source.row_at(int(p)) for p in positions]
         prompts = [np.asarray(self.source.encode(r), np.int32) for r in rows]  # data.format, length checked
+        self.send_prompts(np.asarray(positions, np.int64), rows, prompts, self.n, keep)
+        self.stats.add("reused_prompts", reused)
+        self.stats.values["route_spread"] = max(self.stats.values.get("route_spread", 1.0), self.router.spread)
+        return {int(p): int(r["id"]) for p, r in zip(positions, rows)}
+
+    def send_prompts(self, ids: np.ndarray, rows: list, prompts: list[np.ndarray], n: int, keep: int) -> None:
+        """n copies of each prompt (`ids` its prompt ids) to its rollout rank; GenRM learns what comes."""
         answers = [np.frombuffer(r["answer"].encode(), np.uint8) for r in rows]
         questions = [np.frombuffer(r["question"].encode(), np.uint8) for r in rows]
         metadata = [np.frombuffer(json.dumps(r["metadata"]).encode() if r["metadata"] else b"", np.uint8) for r in rows]
-        rep = np.repeat(np.arange(len(rows)), self.n)
+        rep = np.repeat(np.arange(len(rows)), n)
         batch = SampleBatch(
-            sample_id=np.repeat(positions, self.n) * self.n + np.tile(np.arange(self.n), len(rows)),
-            prompt_id=np.repeat(positions, self.n),
+            sample_id=np.repeat(ids, n) * n + np.tile(np.arange(n), len(rows)),
+            prompt_id=np.repeat(ids, n),
             owner=np.full(len(rep), self.world.rank, np.int32),
             prompt_len=np.array([len(prompts[i]) for i in rep], np.int32),
             prompt_tokens=np.concatenate([prompts[i] for i in rep]) if rows else np.zeros(0, np.int32),
@@ -274,10 +300,10 @@ class TrainerController(BaseController):
             question=np.concatenate([questions[i] for i in rep]) if rows else np.zeros(0, np.uint8),
             metadata_len=np.array([len(metadata[i]) for i in rep], np.int32),
             metadata=np.concatenate([metadata[i] for i in rep]) if rows else np.zeros(0, np.uint8),
-            **image_columns([r.get("images") or [] for r in rows], self.n),
+            **image_columns([r.get("images") or [] for r in rows], n),
         )
-        groups_to = self.router.assign(self.routes, [self.n * (len(p) + self.expected_response) for p in prompts])
-        rank_of = np.repeat(np.asarray(groups_to, np.int64), self.n)
+        groups_to = self.router.assign(self.routes, [n * (len(p) + self.expected_response) for p in prompts])
+        rank_of = np.repeat(np.asarray(groups_to, np.int64), n)
         self.stats.hold(len(batch))
         # GenRM learns how many groups to keep and how many samples each rollout rank got (it may
         # receive only after a phase gate: non-blocking); every destination gets one message
@@ -289,9 +315,6 @@ class TrainerController(BaseController):
         for r, _ in counts:
             send_batch(self.world.comm, r, TAG_PROMPTS, batch.select(np.flatnonzero(rank_of == r)))
         self.stats.hold(-len(batch))  # sent: the samples now live on the rollout ranks
-        self.stats.add("reused_prompts", reused)
-        self.stats.values["route_spread"] = max(self.stats.values.get("route_spread", 1.0), self.router.spread)
-        return {int(p): int(r["id"]) for p, r in zip(positions, rows)}
 
     def collect_scored(self) -> SampleBatch:
         wait_all(self._count_send[0])

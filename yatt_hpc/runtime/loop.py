@@ -27,6 +27,7 @@ from pathlib import Path
 from yatt_hpc.ckpt import SharedState, should_save
 from yatt_hpc.ckpt.manifest import complete_message
 from yatt_hpc.metrics.activity import ACTIVITY
+from yatt_hpc.roles.base import eval_due
 from yatt_hpc.runtime.health import HealthMonitor
 from yatt_hpc.runtime.stop_watchdog import StepGuard, StepRecord, StopWatchdog
 from yatt_hpc.runtime.summary import step_scalars
@@ -53,6 +54,7 @@ class StepLoop:
         self.metrics, self.ckpt, self.stop_flag = metrics, ckpt, stop_flag
         self.console, self.run_dir, self.slurm, self.config_yaml = console, run_dir, slurm, config_yaml
         self.history: list[dict] = []
+        self.pending_eval: dict[str, float] = {}  # validation after a step, logged with the step's metrics
         self.step_seconds = 0.0
         self.outcome = "complete"
         self.split = SplitSchedule.from_config(cfg, world.plan) if world.plan.dynamic_split else None
@@ -83,10 +85,14 @@ class StepLoop:
             self.agree_split()
             ACTIVITY.progress(f"step {step + 1}")
             log.info("step %d begins", step + 1)  # tests wait for this line to act inside a step
+            if step == 0 and eval_due(self.cfg, 0):
+                self.evaluate(0)  # the initial policy, logged at step 0
             t0 = time.perf_counter()
             self.controller.step(step)
-            self.guard.end_step()
             self.step_seconds = time.perf_counter() - t0
+            if eval_due(self.cfg, step + 1):
+                self.evaluate(step + 1)  # part of the step: a given-up step redoes it, a saved one does not
+            self.guard.end_step()
             reports = self.protocol.report(self.stats.step_report())
             if self.split is not None:
                 self.split.end_step(reports)  # the leader decides the split of step + 2 from these loads
@@ -115,9 +121,10 @@ class StepLoop:
         """Load the latest verified checkpoint (or `checkpoint.load_from` weights); return the next step."""
         restored = self.ckpt.load_latest(self.controller.identity)
         start = restored.step if restored is not None else 0
-        # whatever a killed attempt logged past the checkpoint is redone: forget it
+        # whatever a killed attempt logged past the checkpoint is redone: forget it (without a checkpoint,
+        # everything, the validation before step 1 included)
         self.controller.rewind_logs(start)
-        self.metrics.resume_at(start)
+        self.metrics.resume_at(start if restored is not None else -1)
         if restored is not None:
             self.controller.restore(restored)
             self.stats.step = restored.step
@@ -211,8 +218,27 @@ class StepLoop:
             self.console.print(text, highlight=False)
         log.info(text)
 
+    def evaluate(self, after: int) -> None:
+        """Every rank: a validation round once `after` steps are done (`eval` settings); the leader logs it."""
+        t0 = time.perf_counter()
+        scalars = self.controller.evaluate(after)
+        if not self.world.is_leader or scalars is None:
+            return
+        scalars["time/eval"] = time.perf_counter() - t0
+        if self.console is not None and self.cfg.logging.progress:
+            shown = "  ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in scalars.items()
+                              if k.endswith(("/reward_mean", "/accuracy")) or "/pass@" in k)
+            self.console.print(f"[bold]eval after step {after}[/]  {shown}  ({scalars['time/eval']:.1f}s)",
+                               highlight=False)
+        if after == 0:
+            self.metrics.log(0, scalars)
+        else:
+            self.pending_eval = scalars
+
     def review(self, step: int, elapsed: float, reports: list[dict]) -> None:
         scalars = step_scalars(reports, elapsed, leader_report=reports[0])
+        scalars.update(self.pending_eval)
+        self.pending_eval = {}
         if self.split is not None:
             scalars.update(self.split.scalars())
             log.info("step %d split: rollout %d of %d, busy rollout %.2fs genrm %.2fs; step %d: %s", step,

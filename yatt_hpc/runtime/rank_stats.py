@@ -46,6 +46,7 @@ class RankStats:
         self.times: dict[str, float] = {}
         self.values: dict[str, float] = {}
         self.step = 0
+        self._aside: str | None = None  # the timeline's phase name while numbers are set aside
         self._timeline = open(timeline_path, "a", encoding="utf-8") if timeline_path else None
 
     def hold(self, delta: int) -> None:
@@ -62,11 +63,23 @@ class RankStats:
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
             if self._timeline is not None:
-                event = {"step": self.step, "phase": name, "start": wall, "end": time.time()}
+                event = {"step": self.step, "phase": self._aside or name, "start": wall, "end": time.time()}
                 held = cuda_held_mb()
                 if held is not None:
                     event["cuda_mb"] = held
                 self._timeline.write(json.dumps(event) + "\n")
+
+    @contextmanager
+    def aside(self, label: str):
+        """Work that is not the step's (validation): its phase times and sums are dropped afterwards, so the
+        step's metrics stay the training step's; its phases show on the timeline as `label`."""
+        times, values = dict(self.times), dict(self.values)
+        self._aside = label
+        try:
+            yield
+        finally:
+            self._aside = None
+            self.times, self.values = times, values
 
     def add(self, key: str, value: float) -> None:
         self.values[key] = self.values.get(key, 0.0) + float(value)

@@ -97,6 +97,7 @@ def _term_means(reports: list[dict]) -> dict[str, float]:
 
 
 def run_summary(history: list[dict], wall_seconds: float) -> dict:
+    history = [h for h in history if "reward/mean" in h]  # not the validation before step 1
     rewards = [h["reward/mean"] for h in history]
     acc = [h["reward/accuracy"] for h in history]
     k = min(5, len(history))
