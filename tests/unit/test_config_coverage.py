@@ -29,7 +29,9 @@ EFFECTS = "tests/unit/test_config_effects.py"
 REWARD = "tests/unit/test_reward_controller.py"  # the GenRM controller built from reward configs
 TERMS = "tests/unit/test_reward_terms.py::test_refused_reward_terms_name_the_field_and_the_fix"
 IMAGES = "tests/unit/test_image_rows.py"  # image rows: data.images_key, data.max_image_pixels
-RUN = "tests/mpi/test_config_effects_run.py"  # two real runs that differ in the fields only a run shows
+RUN = "tests/mpi/test_config_effects_run.py"
+RECIPES = "tests/unit/test_recipe_effects.py"  # the recipe settings of train: and reward:, and eval's sampling
+RECIPE_RUN = "tests/mpi/test_recipes_run.py"  # runs of each recipe family, and validation  # two real runs that differ in the fields only a run shows
 
 EFFECT: dict[str, str] = {
     # ---------------------------------------------------------------- model
@@ -64,6 +66,26 @@ EFFECT: dict[str, str] = {
     "train.kl_coef": f"{EFFECTS}::test_kl_coef_builds_the_reference_and_adds_its_kl",
     "train.entropy_coef": f"{EFFECTS}::test_entropy_coef_is_the_weight_of_the_entropy_bonus",
     "train.epochs": f"{EFFECTS}::test_epochs_is_the_number_of_passes_each_one_optimizer_step",
+    "train.adv_estimator": f"{RECIPES}::test_adv_estimator_and_its_options_choose_the_advantages",
+    "train.norm_adv_by_std": f"{RECIPES}::test_adv_estimator_and_its_options_choose_the_advantages",
+    "train.adv_std": f"{RECIPES}::test_adv_estimator_and_its_options_choose_the_advantages",
+    "train.adv_eps": f"{RECIPES}::test_adv_estimator_and_its_options_choose_the_advantages",
+    "train.gamma": f"{RECIPES}::test_adv_estimator_and_its_options_choose_the_advantages",
+    "train.loss_mode": f"{RECIPES}::test_loss_mode_gspo_clips_whole_sequences_and_cispo_weights_every_token",
+    "train.loss_agg_mode": f"{RECIPES}::test_loss_agg_mode_is_the_normaliser_of_the_loss",
+    "train.clip_ratio_c": f"{RECIPES}::test_clip_ratio_c_caps_negative_advantages_far_above_the_ratio",
+    "train.kl_estimator": f"{RECIPES}::test_kl_estimator_decides_the_kl_term",
+    "train.kl_in_reward": f"{RECIPES}::test_kl_in_reward_subtracts_coef_times_the_chosen_estimate_per_token",
+    "train.kl_target": f"{RECIPES}::test_kl_target_and_horizon_adapt_the_coefficient",
+    "train.kl_horizon": f"{RECIPES}::test_kl_target_and_horizon_adapt_the_coefficient",
+    "train.mask_truncated": f"{RECIPES}::test_mask_truncated_takes_length_cut_samples_out_of_the_loss_counts",
+    "train.mini_batches": f"{RECIPES}::test_mini_batches_cut_the_global_groups_and_count_each_part",
+    "train.lr_warmup_steps": f"{RECIPES}::test_lr_warmup_decay_steps_and_floor_shape_the_rate_of_each_step",
+    "train.lr_decay": f"{RECIPES}::test_lr_warmup_decay_steps_and_floor_shape_the_rate_of_each_step",
+    "train.lr_decay_steps": f"{RECIPES}::test_lr_warmup_decay_steps_and_floor_shape_the_rate_of_each_step",
+    "train.min_lr": f"{RECIPES}::test_lr_warmup_decay_steps_and_floor_shape_the_rate_of_each_step",
+    "train.adam_betas": f"{RECIPES}::test_adam_betas_and_eps_reach_the_optimizer",
+    "train.adam_eps": f"{RECIPES}::test_adam_betas_and_eps_reach_the_optimizer",
     "train.balance": f"{RUN}::test_balance_none_moves_nothing_and_flops_balances_every_step",
     "train.balance_flops_coeff": "tests/unit/test_balance.py::"
                                  "test_balance_and_balance_flops_coeff_choose_the_workload_groups_are_split_by",
@@ -108,6 +130,15 @@ EFFECT: dict[str, str] = {
     "reward.judge_score_max": f"{REWARD}::test_judge_score_min_and_max_set_the_scale",
     "reward.judge_dtype": f"{REWARD}::test_judge_dtype_and_batch_size_reach_the_judges_engine",
     "reward.judge_batch_size": f"{REWARD}::test_judge_dtype_and_batch_size_reach_the_judges_engine",
+    "reward.overlong_buffer_len": f"{RECIPES}::test_overlong_buffer_penalises_responses_near_the_cap",
+    "reward.overlong_penalty_factor": f"{RECIPES}::test_overlong_buffer_penalises_responses_near_the_cap",
+    # ---------------------------------------------------------------- eval
+    "eval.sources": f"{RECIPE_RUN}::test_validation_runs_on_schedule_and_a_resumed_run_keeps_it",
+    "eval.every": f"{RECIPE_RUN}::test_validation_runs_on_schedule_and_a_resumed_run_keeps_it",
+    "eval.before_train": f"{RECIPE_RUN}::test_greedy_validation_of_two_sources_after_every_step",
+    "eval.samples_per_prompt": f"{RECIPE_RUN}::test_validation_runs_on_schedule_and_a_resumed_run_keeps_it",
+    "eval.temperature": f"{RECIPES}::test_eval_temperature_and_samples_are_what_the_engines_are_asked_for",
+    "eval.max_prompts": f"{RECIPE_RUN}::test_validation_runs_on_schedule_and_a_resumed_run_keeps_it",
     # ---------------------------------------------------------------- placement
     "placement.mode": "tests/unit/test_sbatch_render.py::test_disjoint_is_a_heterogeneous_job_with_one_component_per_group",
     "placement.trainer.nodes": "tests/unit/test_sbatch_render.py::test_shared_step_places_each_group_on_every_node_in_rank_order",
@@ -213,6 +244,24 @@ REFUSED: dict[str, str] = {
     "slurm.signal": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
     "slurm.extra_flags": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
     "slurm.env": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
+    "train.adv_estimator": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "train.loss_agg_mode": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "train.clip_ratio_c": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "train.adv_std": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "train.adv_eps": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "train.gamma": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "train.kl_in_reward": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "train.kl_estimator": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "train.kl_horizon": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "train.min_lr": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "train.lr_decay_steps": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "train.mini_batches": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "train.adam_betas": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "reward.overlong_buffer_len": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "reward.overlong_penalty_factor": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "eval.every": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "eval.temperature": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
+    "eval.sources": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
     "reward.mode": TERMS,  # disagreeing with reward.terms
     "reward.alpha": TERMS,  # other than its default with reward.terms
     "reward.beta": TERMS,

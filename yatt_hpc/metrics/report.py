@@ -3,7 +3,8 @@
     yatt-hpc report runs/demo
 
 Reads RUN_DIR/metrics.jsonl (written by the leader next to the TensorBoard events); draws reward
-and accuracy, KL and entropy, and the phase times per step.
+and accuracy (and each validated source's held-out accuracy at its rounds), KL and entropy, and the
+phase times per step.
 """
 from __future__ import annotations
 
@@ -46,7 +47,10 @@ def write_report(run_dir: Path) -> Path:
     axes[0].plot(steps, col("reward/mean"), label="reward/mean")
     axes[0].plot(steps, col("reward/accuracy"), label="reward/accuracy (rule)")
     axes[0].plot(steps, col("reward/genrm_agreement"), label="genrm agreement", alpha=0.6)
-    axes[0].set_title("reward")
+    for key in sorted({k for r in rows for k in r if k.startswith("val/") and k.endswith("/accuracy")}):
+        seen = [(r["step"], r[key]) for r in rows if key in r]  # validation rounds: markers at their steps
+        axes[0].plot([s for s, _ in seen], [v for _, v in seen], marker="o", label=key)
+    axes[0].set_title("reward (val/: held-out accuracy)")
     axes[1].plot(steps, col("train/kl"), label="train/kl")
     axes[1].plot(steps, col("train/entropy"), label="train/entropy")
     axes[1].set_title("policy")
@@ -69,7 +73,7 @@ def write_report(run_dir: Path) -> Path:
 
 
 PHASE_COLORS = {"rollout": "tab:blue", "reward": "tab:orange", "train": "tab:green", "weight_sync": "tab:red",
-                "balance": "tab:purple", "resume": "tab:gray", "release": "tab:brown"}
+                "balance": "tab:purple", "resume": "tab:gray", "release": "tab:brown", "eval": "tab:olive"}
 
 
 def read_timeline(run_dir: Path, step: int) -> list[tuple[str, str, float, float]]:
@@ -111,7 +115,10 @@ def plt_patch(color: str, label: str):
 
 
 def text_summary(run_dir: Path) -> str:
-    rows = read_metrics(run_dir)
+    every = read_metrics(run_dir)
+    rows = [r for r in every if "reward/mean" in r]  # not the validation before step 1
+    if not rows:
+        raise ReportError(f"{Path(run_dir) / 'metrics.jsonl'} has no finished steps yet")
     k = min(5, len(rows))
     first = sum(r["reward/mean"] for r in rows[:k]) / k
     last = sum(r["reward/mean"] for r in rows[-k:]) / k
@@ -119,4 +126,16 @@ def text_summary(run_dir: Path) -> str:
     acc_last = sum(r["reward/accuracy"] for r in rows[-k:]) / k
     step_s = sum(r["time/step"] for r in rows) / len(rows)
     return (f"{len(rows)} steps; reward first {k}: {first:.3f} -> last {k}: {last:.3f} (gain {last - first:+.3f}); "
-            f"accuracy {acc_first:.3f} -> {acc_last:.3f}; mean step {step_s:.2f}s")
+            f"accuracy {acc_first:.3f} -> {acc_last:.3f}; mean step {step_s:.2f}s{_val_summary(every)}")
+
+
+def _val_summary(rows: list[dict]) -> str:
+    """`; val <source> accuracy a -> b (pass@n c)` of each validated source, first and last round."""
+    parts = []
+    for key in sorted({k for r in rows for k in r if k.startswith("val/") and k.endswith("/accuracy")}):
+        seen = [r for r in rows if key in r]
+        name = key.removeprefix("val/").removesuffix("/accuracy")
+        passes = sorted((int(k.rsplit("@", 1)[1]), k) for k in seen[-1] if k.startswith(f"val/{name}/pass@"))
+        tail = f" (pass@{passes[-1][0]} {seen[-1][passes[-1][1]]:.3f})" if passes else ""
+        parts.append(f"; val {name} accuracy {seen[0][key]:.3f} -> {seen[-1][key]:.3f}{tail}")
+    return "".join(parts)
