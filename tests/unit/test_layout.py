@@ -14,13 +14,14 @@ PKG = REPO / "yatt_hpc"
 ALLOWED = {
     "sched": {"placement"},
     "comm": {"sched", "placement", "batch", "metrics.activity", "device"},
-    "roles": {"comm", "sched", "batch", "metrics.activity", "ckpt", "config", "data", "errors", "placement", "reward",
+    "roles": {"algos", "comm", "sched", "batch", "metrics.activity", "ckpt", "config", "data", "errors", "placement", "reward",
               "rollout", "train", "runtime", "vision", "models"},  # runtime: RankStats, the per-rank stats it reports to
     "runtime": {"roles", "comm", "sched", "batch", "metrics", "ckpt", "config", "data", "errors", "launch",
                 "placement"},
     "demo": set(),
     "rollout": {"metrics.activity", "device", "vision"},  # engines join a weight pair's group (device.weight_group)
-    "train": {"metrics.activity", "batch", "config", "device", "vision", "models"},
+    "train": {"algos", "metrics.activity", "batch", "config", "device", "vision", "models"},
+    "algos": set(),  # the formulas: a leaf, and no process group in it (test below)
     "reward": {"rollout", "data", "vision", "models"},  # the judge runs on a rollout engine with the tokenizer data/ loads
     "data": {"config", "demo", "vision"},
     "vision": set(),  # a leaf: every component may decode images
@@ -89,3 +90,11 @@ def test_every_package_stays_small():
     for package in sorted(p for p in PKG.iterdir() if (p / "__init__.py").exists()):
         modules = [p for p in package.glob("*.py") if p.name != "__init__.py"]
         assert len(modules) <= 12, f"{package.name}/ has {len(modules)} modules: split it by kind"
+
+
+def test_the_formulas_hold_no_communication():
+    """yatt_hpc/algos is pure: no torch.distributed, no MPI (global statistics come in through `reduce`)."""
+    for path in sorted((PKG / "algos").glob("*.py")):
+        text = path.read_text()
+        for banned in ("torch.distributed", "mpi4py", "import megatron"):
+            assert banned not in text, f"{path.name} uses {banned}"
