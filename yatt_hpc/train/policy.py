@@ -172,7 +172,7 @@ class MegatronPolicy:
                 steps += 1
         for key in ("kl", "entropy", "clip_frac", "tokens"):  # sums over the samples, once each
             setattr(totals, key, getattr(totals, key) / plan.epochs)
-        totals.loss /= plan.epochs  # the mini-batches' losses add up to the whole batch's
+        totals.loss /= max(steps, 1)  # the mean over optimizer steps of each mini-batch's loss
         totals.grad_norm /= max(steps, 1)
         totals.optimizer_steps = steps
         return totals
