@@ -111,7 +111,7 @@ def test_validation_runs_on_schedule_and_a_resumed_run_keeps_it(mpirun, tmp_path
 def test_greedy_validation_of_two_sources_after_every_step(mpirun, tmp_path):
     run = tmp_path / "run"
     yatt_run(run, "train.steps=2", "checkpoint.interval=0", "eval.sources=[demo:heldout, demo:train]",
-             "eval.max_prompts=8", "eval.temperature=0", "eval.before_train=false", "eval.every=1")
+             "eval.max_prompts=8", "eval.samples_per_prompt=1", "eval.temperature=0", "eval.before_train=false", "eval.every=1")
     got = rows(run)
     assert [r["step"] for r in got] == [1, 2]  # no validation before training
     for r in got:

@@ -31,7 +31,7 @@ TERMS = "tests/unit/test_reward_terms.py::test_refused_reward_terms_name_the_fie
 IMAGES = "tests/unit/test_image_rows.py"  # image rows: data.images_key, data.max_image_pixels
 RUN = "tests/mpi/test_config_effects_run.py"
 RECIPES = "tests/unit/test_recipe_effects.py"  # the recipe settings of train: and reward:, and eval's sampling
-RECIPE_RUN = "tests/mpi/test_recipes_run.py"  # runs of each recipe family, and validation  # two real runs that differ in the fields only a run shows
+RECIPE_RUN = "tests/mpi/test_recipes_run.py"  # runs of each recipe family, and validation
 
 EFFECT: dict[str, str] = {
     # ---------------------------------------------------------------- model

@@ -302,7 +302,7 @@ def test_overlong_buffer_penalises_responses_near_the_cap(factor):
     (["train.clip_ratio_c=0.5"], ["clip_ratio_c"]),
     (["reward.overlong_buffer_len=12"], ["reward.overlong_buffer_len=12", "max_new_tokens"]),
     (["reward.overlong_penalty_factor=2"], ["overlong_penalty_factor=2", "overlong_buffer_len"]),
-    (["eval.every=3"], ["eval.every", "eval.sources"]),
+    (["eval.sources=[]", "eval.every=3"], ["eval.every", "eval.sources"]),
     (["eval.sources=[demo:heldout]", "eval.temperature=0", "eval.samples_per_prompt=4"], ["greedy", "samples_per_prompt"]),
     (["eval.sources=[demo:heldout, demo:heldout]"], ["same metric name"]),
 ])
@@ -328,6 +328,7 @@ def test_eval_temperature_and_samples_are_what_the_engines_are_asked_for():
         return [r.temperature for r in RolloutController.requests(fake, prompts)]
 
     greedy = load_config(REPO / "configs" / "demo_cpu.yaml", overrides=["eval.sources=[demo:heldout]",
+                                                                         "eval.samples_per_prompt=1",
                                                                          "eval.temperature=0"])
     assert (eval_round(greedy).n, temperatures(greedy, eval_round(greedy))) == (1, [0.0, 0.0])
     assert temperatures(greedy, training_round(greedy)) == [1.0, 1.0]  # training keeps rollout.temperature

@@ -13,6 +13,7 @@ import pytest
 
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.config import load_config
+from yatt_hpc.roles.base import training_round
 from yatt_hpc.roles.rollout import RolloutController
 from yatt_hpc.rollout.engine import GenerationResult
 from yatt_hpc.runtime.rank_stats import RankStats
@@ -112,6 +113,7 @@ def _controller(streaming: str, engine, n: int = 2):
     ctl.cfg, ctl.streaming, ctl.handshake = cfg, streaming, False
     ctl.stats, ctl.engine = RankStats("rollout"), engine
     ctl.genrm_of = lambda owner: 3
+    ctl.round = training_round(cfg)
     return ctl
 
 
