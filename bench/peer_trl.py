@@ -47,6 +47,7 @@ import numpy as np
 from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
 from rich.markup import escape
 
+from yatt_hpc.metrics.writer import step_rows
 from yatt_hpc.runtime.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
 
 PEERS = REPO / "bench" / "peers"
@@ -143,7 +144,7 @@ def run_yatt(model: str, shape: dict, root: Path, tag: str) -> dict:
              "rank 0 Megatron model built": first_time(leader, r"trainer dp=0 .* ready"),
              "rollout engine ready": max(first_time(v, r"rollout rank ready") or 0 for v in logs.values()),
              "step 1 begins": first_time(leader, r"step 1 begins$")}
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = step_rows(run_dir)
     begins = [log_time(x) for x in leader if re.search(r"step \d+ begins$", x)]
     phases = yatt_phases(run_dir)
     gen, train = phases["rollout/rollout"], phases["trainer/train"]

@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
 
+from yatt_hpc.metrics.writer import step_rows
+
 NOTES = ("Tiny random policy and judge with a tuned end-of-sequence rate (long-tailed lengths); 4 ranks on 2 cores. "
          "saved/ideal is paired step by step (each step generates the same samples in every mode; the median over "
          "steps). Finished groups leave GenRM idle until the first whole group; finished samples start it with the "
@@ -91,7 +93,7 @@ def run_once(mode: str, chunk: int | str, models: dict, args, root: Path, i: int
     subprocess.run(argv, env=mpi_env(), cwd=REPO, check=True, timeout=900, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
     spans, balance, phases = step_spans(run_dir)
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = step_rows(run_dir)
     measured = [s for s in sorted(spans) if s >= 1]  # step 0 pays for first-call warm-ups
     out = {"mode": mode, "chunk": chunk, "wall_s": wall, "steps": measured, "span_s": [spans[s] for s in measured],
            "trainer_balance_s": [balance.get(s, 0.0) for s in measured],

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("GPU stop test needs a GPU: torch.cuda.is_available() is False", allow_module_level=True)
 
 from tests.mpi.test_stop_grace import PROMPTS, K, interrupt_in_step_2, run_dir, start  # noqa: E402,F401
+from yatt_hpc.metrics.writer import step_rows
 
 CONFIG = "configs/demo_1gpu.yaml"
 LONG = ("--set", "train.micro_batch_size=1", "--set", "checkpoint.interval=0")
@@ -28,7 +29,7 @@ def test_a_stop_in_a_long_colocated_gpu_step_commits_the_step_before_and_resumes
     resumed = start(run_dir, LONG, CONFIG)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0 and "resumed from checkpoint step 1" in out, out[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(run_dir)
     assert len(rows) == K
     positions = [p for line in (run_dir / "data" / "consumed-dp0.jsonl").read_text().splitlines()
                  for p in json.loads(line)["positions"]]

@@ -27,6 +27,7 @@ import pytest
 from tests.conftest import REPO, mpi_env
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.manifest import verify_step
+from yatt_hpc.metrics.writer import step_rows
 
 STEPS, PROMPTS, N, DP, ROLLOUT_RANKS = 3, 8, 4, 2, 2
 COMMON = {"placement.mode": "partial", "placement.rollout.tasks_per_node": ROLLOUT_RANKS, "train.steps": STEPS,
@@ -52,7 +53,7 @@ class Run:
     def __init__(self, run_dir, proc):
         self.dir = run_dir
         self.stdout = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)  # the leader's console may style its lines
-        self.metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        self.metrics = step_rows(run_dir)
 
     def logs(self) -> dict[str, str]:
         return {p.name: p.read_text() for p in sorted((self.dir / "logs").glob("rank-*.log"))}

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from tests.conftest import REPO, mpi_env
+from yatt_hpc.metrics.writer import step_rows
 
 
 def test_waves_pad_and_update_the_ema(mpirun, tiny_models, tmp_path):
@@ -22,7 +23,7 @@ def test_waves_pad_and_update_the_ema(mpirun, tiny_models, tmp_path):
                            "--run-dir", str(tmp_path), *sets], cwd=REPO, env=mpi_env(), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(tmp_path)
     ema = 1.0
     for r in rows:
         refill = math.ceil(4 * ema * 1.2)

@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import REPO, mpi_env
 from yatt_hpc.ckpt.state import read_shared
+from yatt_hpc.metrics.writer import step_rows
 
 PROMPTS, N, FIRST, STEPS = 8, 4, 4, 7
 # the demo policy solves some prompts: rewards vary, so the weights change every step and a rank
@@ -56,7 +57,7 @@ def run_split(run_dir, policy, judge, steps, extra):
 
 
 def check_every_sample_once(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(run_dir)
     assert len(rows) == STEPS
     for r in rows:
         assert r["rollout/generated"] == r["reward/scored"] == PROMPTS * N

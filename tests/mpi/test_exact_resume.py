@@ -28,6 +28,7 @@ import torch
 
 from tests.conftest import REPO, checkpoint_weights, final_state, full_matrix_only, kill_tree, mpi_env
 from tests.programs.held_engine import held_env
+from yatt_hpc.metrics.writer import step_rows
 
 CONFIG = str(REPO / "configs/demo_cpu.yaml")
 K = 8
@@ -40,8 +41,7 @@ def cmd(run_dir, args=ARGS):
 
 
 def finished_steps(run_dir) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    return len(step_rows(run_dir))
 
 
 def start_and_interrupt(run_dir, after_steps: int, how: str, command=None, steps: int = K, within_s: float = 0.3):

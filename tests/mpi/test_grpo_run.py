@@ -4,7 +4,6 @@ These are the spine's end-to-end checks: the metrics every review needs exist an
 the leader holds only its share of samples, the same seed gives the same run, and bad input
 takes every rank down quickly with one clear message.
 """
-import json
 import re
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import REPO, ReferenceRun, mpi_env
+from yatt_hpc.metrics.writer import step_rows
 
 CONFIG = str(REPO / "configs/demo_cpu.yaml")
 FAST = ["--set", "train.steps=2", "--set", "train.prompts_per_step=8", "--set", "rollout.samples_per_prompt=4",
@@ -32,7 +32,7 @@ def yatt_run(run_dir, *extra, timeout=400):
 
 
 def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return step_rows(run_dir)
 
 
 @pytest.fixture(scope="module")

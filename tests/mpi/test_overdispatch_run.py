@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.conftest import REPO, mpi_env
 from yatt_hpc.ckpt.loader import read_rank
+from yatt_hpc.metrics.writer import step_rows
 
 PROMPTS, N, STEPS, DP = 8, 4, 3, 2
 DS = ("rollout.dynamic_sampling.enabled=true", "rollout.dynamic_sampling.max_refill_waves=1", "reward.mode=rule_only")
@@ -55,7 +56,7 @@ def assert_every_position_consumed_once_or_queued(run_dir, steps: int = STEPS):
 def test_over_dispatch_loses_and_repeats_no_prompt(mpirun, tiny_models, tmp_path, mode, extra):
     proc = run(tmp_path, tiny_models, mode, extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(tmp_path)
     assert len(rows) == STEPS
     waves = extra == DS  # dynamic sampling: 1 + 1 refill wave per step (nothing is valid), sizes from the EMA
     for i, r in enumerate(rows):

@@ -1,7 +1,6 @@
 """README's "Train your own model" config (docs/examples/own_model.yaml), shrunk to this CPU: a model
 behind a transformers tokenizer with a chat template, a directory of Parquet shards with renamed columns
 and an extra metadata column, reward terms (math, format, a user function, the judge with its own template)."""
-import json
 import os
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ from tests.conftest import REPO, mpi_env
 from yatt_hpc.config import load_config
 from yatt_hpc.demo.char_tokenizer import TOKENIZER_FILE, CharTokenizer, save_hf_twin
 from yatt_hpc.demo.task import demo_rows
+from yatt_hpc.metrics.writer import step_rows
 from yatt_hpc.placement import plan
 
 EXAMPLE = REPO / "docs/examples/own_model.yaml"
@@ -56,7 +56,7 @@ def test_the_example_config_trains_shrunk_to_the_cpu(mpirun, tmp_path):
         cmd += ["--set", f"{key}={value}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    got = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    got = step_rows(tmp_path / "run")
     assert [r["step"] for r in got] == [1, 2]
     for r in got:
         for term in ("correct", "boxed", "brevity", "judge"):

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, mpi_env
+from yatt_hpc.metrics.writer import step_rows
 
 HEAVY = {"rollout": "rollout", "genrm": "reward", "trainer": "train"}
 PROMPTS, N = 8, 4
@@ -42,7 +43,7 @@ TP2 = ("--set", "placement.trainer.tasks_per_node=4", "--set", "placement.traine
 
 
 def assert_mode(run_dir, mode: str, steps: int) -> None:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(run_dir)
     assert len(rows) == steps
     for r in rows:
         assert r["rollout/generated"] == r["reward/scored"] == PROMPTS * N
@@ -96,7 +97,7 @@ def test_partial_runs_and_scores_every_sample_once(partial_run):
 
 
 def test_collective_weight_transport_serves_the_trainers_weights_and_moves_no_tensor_over_mpi(partial_run):
-    rows = [json.loads(line) for line in (partial_run / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(partial_run)
     # the weights move between syncs (the demo models learn), and the engine samples with exactly the
     # trainer's (assert_mode: logprob gap < 1e-4 every step; a receiver that drops the tensors gives 0.7)
     assert all(r["train/grad_norm"] > 0 for r in rows) and any(r["reward/mean"] > 0 for r in rows), rows
@@ -126,7 +127,7 @@ def test_finished_groups_are_scored_while_the_long_tail_still_decodes(mpirun, lo
     extra = ("--set", f"rollout.streaming={streaming}", "--set", "rollout.max_new_tokens=192")
     proc = run_mode(tmp_path, long_tail_models, "partial", extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(tmp_path)
     assert len(rows) == 2
     for r in rows:
         assert r["rollout/generated"] == r["reward/scored"] == PROMPTS * N

@@ -29,6 +29,7 @@ from tests.mpi.test_exact_resume import assert_same, finished_steps
 from tests.mpi.test_overdispatch_run import assert_every_position_consumed_once_or_queued
 from tests.programs.held_engine import held_env, holding_marker
 from yatt_hpc.ckpt.state import read_shared
+from yatt_hpc.metrics.writer import step_rows
 
 K, PROMPTS, GRACE = 2, 64, 1.0
 ARGS = ["--set", f"train.steps={K}", "--set", f"train.prompts_per_step={PROMPTS}", "--set", "rollout.samples_per_prompt=16",
@@ -107,7 +108,7 @@ def test_signal_in_a_long_step_commits_the_last_step_within_the_grace_and_resume
     assert resumed.returncode == 0 and "resumed from checkpoint step 1" in out_resumed, out_resumed[-3000:]
     assert straight.returncode == 0, out_straight[-3000:]
     assert_same(final_state(run_dir, K), final_state(straight_dir, K), prompts=K * PROMPTS)
-    step_s = [json.loads(line)["time/step"] for line in (straight_dir / "metrics.jsonl").read_text().splitlines()]
+    step_s = [r["time/step"] for r in step_rows(straight_dir)]
     print(f"\nsignal -> leader gives up step 2 {decided:.2f}s, -> checkpoint committed {committed:.2f}s, "
           f"-> every process exited {exited:.2f}s; "
           f"grace {GRACE}s; uninterrupted steps {', '.join(f'{s:.1f}' for s in step_s)}s")
@@ -122,7 +123,7 @@ def test_a_given_up_partial_step_with_split_and_over_dispatch_loses_no_prompt(mp
     resumed = start(run_dir, PARTIAL)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0 and "resumed from checkpoint step 1" in out, out[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(run_dir)
     assert len(rows) == K and all(r["data/prompts_consumed"] == PROMPTS for r in rows), rows
     assert rows[1]["placement/rollout_replicas"] == shared.counters["split_rollout"], "the resume did not take the split"
     consumed, queued = assert_every_position_consumed_once_or_queued(run_dir, steps=K)

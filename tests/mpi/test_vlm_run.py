@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import REPO, mpi_env
+from yatt_hpc.metrics.writer import step_rows
 
 K, PROMPTS, N, ROWS = 4, 4, 4, 48
 CONFIG = str(REPO / "configs/demo_vlm_cpu.yaml")
@@ -60,7 +61,7 @@ def straight(mpirun, inputs, tmp_path_factory):
 
 
 def test_images_cross_as_their_encoded_bytes_once_per_group_and_trainer_and_engine_agree(inputs, straight):
-    metrics = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    metrics = step_rows(straight)
     assert len(metrics) == K
     index = {}
     for shard in sorted((inputs / "data").glob("*.jsonl")):
@@ -89,13 +90,11 @@ def test_sigterm_and_resume_give_the_same_rows_and_bitwise_the_same_weights(mpir
     proc = subprocess.Popen(cmd(inputs, run_dir), cwd=REPO, env=mpi_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 300
-    metrics = run_dir / "metrics.jsonl"
-    while proc.poll() is None and time.monotonic() < deadline and \
-            (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+    while proc.poll() is None and time.monotonic() < deadline and len(step_rows(run_dir)) < 2:
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # after step 2: it saves and exits
     out, _ = proc.communicate(timeout=180)
-    assert "saved" in out and len(metrics.read_text().splitlines()) < K, out[-3000:]
+    assert "saved" in out and len(step_rows(run_dir)) < K, out[-3000:]
     resumed = subprocess.run(cmd(inputs, run_dir), cwd=REPO, env=mpi_env(), capture_output=True, text=True,
                              timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -116,7 +115,7 @@ def test_the_visual_demo_learns(mpirun, tmp_path):
                            "--set", "train.steps=40", "--set", "logging.progress=false"],
                           cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rewards = [json.loads(line)["reward/mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward/mean"] for r in step_rows(run_dir)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"reward first 10 steps {first:.3f}, last 10 {last:.3f}")
     assert last > first + 0.05

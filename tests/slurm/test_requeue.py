@@ -32,6 +32,7 @@ from tests.slurm.jobs import held_overrides, job_rank_pid
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import wait_job
 from yatt_hpc.launch.submitit_exec import submit_run
+from yatt_hpc.metrics.writer import step_rows
 from yatt_hpc.placement import plan
 
 DEMO = str(REPO / "configs/demo_cpu.yaml")
@@ -42,8 +43,7 @@ SLURM_ARGS = ("slurm.env.OMPI_MCA_btl=self,tcp", "slurm.time=00:30:00", "slurm.m
 
 
 def finished_steps(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.exists() else 0
+    return len(step_rows(run_dir))
 
 
 def restart_count(run_dir: Path, job_id: str) -> int:

@@ -18,6 +18,7 @@ from tests.conftest import PYTHON, REPO, full_matrix_only
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import top_states, wait_job
 from yatt_hpc.launch.submitit_exec import dry_run_text, submit_run
+from yatt_hpc.metrics.writer import step_rows
 from yatt_hpc.placement import plan
 
 DEV_ENV = "slurm.env.OMPI_MCA_btl=self,tcp"
@@ -154,7 +155,7 @@ def test_submit_wait_runs_two_grpo_steps(slurm_cluster, tmp_path, mode, componen
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2]
     if extra:
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rows = step_rows(run_dir)
         # one trainer replica: it keeps 8 groups of the ceil(8 x 1.5) = 12 it dispatches (4 samples each)
         assert all(r["data/prompts_consumed"] == 8 and r["reward/scored"] == 32 for r in rows), rows
         assert all(r["rollout/aborted"] + r["rollout/generated"] == 48 for r in rows), rows

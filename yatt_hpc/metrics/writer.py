@@ -16,6 +16,22 @@ from collections.abc import Mapping
 from pathlib import Path
 
 
+def step_rows(run_dir: Path) -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl for finished training steps (step >= 1), in order: the validation
+    before training (its row is step 0) is left out, and so is a line cut by a crash mid-write. [] when
+    there is no file yet."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", 0) >= 1:
+            rows.append(row)
+    return rows
+
+
 class BaseMetrics:
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         raise NotImplementedError
