@@ -43,6 +43,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--set", action="append", default=[], help="train.<field>=<value> (YAML value)")
+    ap.add_argument("--updates", type=int, default=1, help="updates on the same batch (optimizer state matters)")
+    ap.add_argument("--bf16", action="store_true", help="a bf16 model with fp32 masters")
+    ap.add_argument("--tag", default="", help="suffix of the output file name")
     args = ap.parse_args()
     torch.set_num_threads(1)
     import yaml
@@ -65,7 +68,8 @@ def main() -> None:
     # weights compares gradients (Adam with eps 1e-8 turns a 1e-9 gradient into a full step either way)
     cfg = TrainConfig(**{"lr": 1.0, "adam_eps": 1.0, "micro_batch_size": 4, "prompts_per_step": 6, **fields})
     torch.manual_seed(0)
-    policy = MegatronPolicy.from_hf(REPO / "models" / "demo" / "policy", 0, 1, cfg)
+    policy = MegatronPolicy.from_hf(REPO / "models" / "demo" / "policy", 0, 1, cfg,
+                                    dtype=torch.bfloat16 if args.bf16 else torch.float32)
     whole = global_batch()
     mine = whole.select(np.flatnonzero(whole.prompt_id % size == rank))
 
@@ -79,10 +83,11 @@ def main() -> None:
 
     adv = step_advantages(mine, cfg, reduce=reduce)
     plan = plan_update(mine, cfg, 12, gather=gather, reduce=reduce, kl_coef=cfg.kl_coef)
-    policy.update(mine, adv.values, plan)
+    for _ in range(args.updates):
+        policy.update(mine, adv.values, plan)
     if rank == 0:
-        np.savez(Path(args.out) / f"params-{size}.npz",
-                 **{n: p.detach().numpy() for n, p in policy.model.named_parameters()})
+        np.savez(Path(args.out) / f"params-{size}{args.tag}.npz",
+                 **{n: p.detach().float().numpy() for n, p in policy.model.named_parameters()})
     mm.destroy_model_parallel()
 
 

@@ -21,7 +21,7 @@ from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.errors import CheckpointError
 from yatt_hpc.ckpt.manifest import verify_step
 from yatt_hpc.ckpt.rng import RngState
-from yatt_hpc.ckpt.state import SharedState, read_record, read_shared
+from yatt_hpc.ckpt.state import SharedState, read_records, read_shared
 
 log = logging.getLogger(__name__)
 if TYPE_CHECKING:  # torch is imported where weights are read: a rank without any never needs it
@@ -45,6 +45,15 @@ class Restored:
     extra: dict[str, Any] = field(default_factory=dict)
     shared: SharedState = field(default_factory=SharedState)
     saved_world_rank: int = -1
+    step_dir: Path | None = None
+    trainers: list = field(default_factory=list)  # every trainer rank's record (layout, data positions)
+    found: bool = True  # False: this identity was not saved (the checkpoint has another layout)
+
+    @property
+    def trainer_layout(self) -> dict[str, int]:
+        """The saved trainer's parallel sizes {"dp", "tp", "pp"}."""
+        return {axis: 1 + max((r.coords.get(axis, 0) for r in self.trainers), default=0)
+                for axis in ("dp", "tp", "pp")}
 
 
 def find_latest(ckpt_dir: Path, quarantine: bool = False) -> tuple[int | None, list[tuple[int, str]]]:
@@ -89,19 +98,97 @@ def _read_safetensors(path: Path) -> tuple[StateDict, dict[str, str]]:
 
 
 def read_rank(step_dir: Path, identity: str) -> Restored:
-    """Everything saved for ``identity`` in a (verified) step directory."""
+    """Everything saved for ``identity`` in a (verified) step directory, and every trainer rank's record (the
+    saved layout, `Restored.trainer_layout`). An identity the checkpoint does not hold (it was written with
+    another layout) gets ``found=False`` and the shared state only."""
     state = step_dir / layout.STATE_FILE
     step, shared = read_shared(state)
-    try:
-        rec = read_record(state, identity)
-    except KeyError as err:
-        raise CheckpointError(str(err.args[0])) from None
+    records = read_records(state)
+    trainers = [r for r in records if r.identity.startswith("trainer/")]
+    rec = next((r for r in records if r.identity == identity), None)
+    if rec is None:  # a rank of a layout the checkpoint was not written with: its caller decides what it needs
+        return Restored(step=step, identity=identity, coords={}, shared=shared, step_dir=step_dir,
+                        trainers=trainers, found=False)
     out = Restored(step=step, identity=identity, coords=rec.coords, rng=rec.rng,
                    data_position=rec.data_position, extra=rec.extra, shared=shared,
-                   saved_world_rank=rec.world_rank)
+                   saved_world_rank=rec.world_rank, step_dir=step_dir, trainers=trainers)
     if "tp" in rec.coords:  # a trainer shard: its parameters come from that shard's dp-rank-0 file
         out.model = read_weights(step_dir, rec.coords.get("tp", 0), rec.coords.get("pp", 0))
     for name in rec.files:
         if name.startswith("optim-"):
             out.optim, out.optim_meta = _read_safetensors(step_dir / name)
+            if "rows" in out.optim_meta:  # a sharded optimizer: this shard's DP ranks' files together
+                out.optim, out.optim_meta = read_optimizer(step_dir, rec.coords.get("tp", 0), rec.coords.get("pp", 0))
     return out
+
+
+def read_optimizer(step_dir: Path, tp: int = 0, pp: int = 0) -> tuple[StateDict, dict[str, str]]:
+    """The whole-parameter optimizer state of tensor shard (tp, pp): its DP ranks' files put together
+    (`ckpt/optim.py::assemble_state`); an unsharded run's dp-rank-0 file as it is."""
+    from yatt_hpc.ckpt.optim import assemble_state
+
+    names = sorted(step_dir.glob(f"optim-tp{tp}-pp{pp}-dp*.safetensors"), key=lambda p: int(p.stem.rpartition("dp")[2]))
+    if not names:
+        raise CheckpointError(f"{step_dir} has no optimizer state for tp={tp} pp={pp}: was it saved with "
+                              "another parallel layout?")
+    first = _read_safetensors(names[0])
+    if "rows" not in first[1]:
+        return first
+    try:
+        return assemble_state([first] + [_read_safetensors(n) for n in names[1:]])
+    except ValueError as err:
+        raise CheckpointError(f"{step_dir}: {err}") from None
+
+
+# ------------------------------------------------------------------ another trainer layout
+#
+# Resuming a checkpoint with another trainer layout: the tensors of tensor shard `tp_rank` of `tp_size`
+# from a checkpoint written with `saved_tp` shards and any number of data-parallel ranks.
+#
+#     model = reshard_weights(step_dir, hf_config, saved_tp=1, tp_rank=0, tp_size=2)
+#     optim, meta = reshard_optimizer(step_dir, hf_config, saved_tp=1, tp_rank=0, tp_size=2)
+#
+# The data-parallel size needs no tensor work: parameters are the same on every DP rank, and the optimizer
+# state is read whole (`read_optimizer` puts a sharded optimizer's rows back together) for the new
+# ranks to keep what they own. A new tensor-parallel size goes through the HF layout: the saved shards are
+# merged as `ckpt export-hf` merges them and split as a fresh start splits an HF model
+# (`train/convert.py`). AdamW's moments and a bf16 run's fp32 masters have the parameters' shapes, so the
+# same merge and split apply to them, tensor by tensor. Every rank reads all saved shards of the tensors
+# it reshards: a resume's memory peak is the whole model's state once per rank (the data positions move in
+# `sched/overdispatch.py::relayout_positions`).
+
+
+def _convert():
+    from yatt_hpc.train import convert
+
+    return convert
+
+
+def _reshard(shards: list[StateDict], hf_config: Any, tp_rank: int, tp_size: int) -> StateDict:
+    convert = _convert()  # torch and the model code: only a trainer rank that reshards imports them here
+    return convert.hf_to_megatron(convert.megatron_to_hf(shards, hf_config), hf_config, tp_rank, tp_size)
+
+
+def reshard_weights(step_dir: Path, hf_config: Any, saved_tp: int, tp_rank: int, tp_size: int) -> StateDict:
+    """Tensor shard `tp_rank` of `tp_size` of the parameters saved in `saved_tp` shards."""
+    if saved_tp == tp_size:
+        return read_weights(step_dir, tp_rank)
+    return _reshard([read_weights(step_dir, t) for t in range(saved_tp)], hf_config, tp_rank, tp_size)
+
+
+def reshard_optimizer(step_dir: Path, hf_config: Any, saved_tp: int, tp_rank: int,
+                      tp_size: int) -> tuple[StateDict, dict[str, str]]:
+    """The whole-parameter optimizer state (``<param>.<key>``) of tensor shard `tp_rank` of `tp_size`."""
+    if saved_tp == tp_size:
+        return read_optimizer(step_dir, tp_rank)
+    parts = [read_optimizer(step_dir, t) for t in range(saved_tp)]
+    keys = sorted({k.rpartition(".")[2] for k in parts[0][0]} - {"step"})
+    out: StateDict = {}
+    for key in keys:  # exp_avg, exp_avg_sq, master: one parameter-shaped tensor per parameter
+        per_shard = [{k.rpartition(".")[0]: v for k, v in tensors.items() if k.rpartition(".")[2] == key}
+                     for tensors, _ in parts]
+        out.update({f"{name}.{key}": t for name, t in _reshard(per_shard, hf_config, tp_rank, tp_size).items()})
+    steps = [v for k, v in parts[0][0].items() if k.endswith(".step")]
+    if steps:  # one count for every parameter: the optimizer steps them together
+        out.update({f"{name.rpartition('.')[0]}.step": steps[0] for name in out if name.endswith(".exp_avg")})
+    return out, parts[0][1]

@@ -57,3 +57,40 @@ def load_optimizer_tensors(optimizer: torch.optim.Optimizer, named: Iterable[tup
             live.update(saved)
     sd["state"] = state
     optimizer.load_state_dict(sd)
+
+
+def assemble_state(parts: list[tuple[dict[str, torch.Tensor], dict[str, str]]]) -> tuple[dict[str, torch.Tensor],
+                                                                                         dict[str, str]]:
+    """Whole-parameter optimizer state from the files of one tensor shard's DP ranks. Unsharded files (no
+    "rows" metadata) each hold the whole state, so the first is the answer; sharded ones are put together
+    row range by row range, and a gap (a missing rank's file) is an error naming the parameter."""
+    if not parts:
+        return {}, {}
+    tensors, meta = parts[0]
+    if "rows" not in meta:
+        return tensors, meta
+    pieces: dict[str, list[tuple[int, int, int, dict[str, torch.Tensor]]]] = {}
+    for tensors, meta in parts:
+        for name, (lo, hi, rows) in json.loads(meta["rows"]).items():
+            pieces.setdefault(name, []).append((lo, hi, rows, {k.rpartition(".")[2]: v for k, v in tensors.items()
+                                                              if k.rpartition(".")[0] == name}))
+    full: dict[str, torch.Tensor] = {}
+    for name, got in pieces.items():
+        got.sort(key=lambda g: g[0])
+        at = 0
+        for lo, hi, _, _ in got:
+            if lo != at:
+                raise ValueError(f"optimizer state of {name!r} lacks rows {at}..{lo}: a data-parallel rank's "
+                                 "optimizer file is missing from the checkpoint")
+            at = hi
+        if at != got[0][2]:
+            raise ValueError(f"optimizer state of {name!r} lacks rows {at}..{got[0][2]}: a data-parallel rank's "
+                             "optimizer file is missing from the checkpoint")
+        for key in got[0][3]:
+            if key == "step":
+                full[f"{name}.step"] = got[0][3]["step"]
+                continue
+            chunks = [g[3][key] for g in got]
+            whole = torch.cat([c.reshape(-1) if c.dim() == 0 else c for c in chunks])
+            full[f"{name}.{key}"] = whole
+    return full, {"param_groups": parts[0][1]["param_groups"]}

@@ -196,6 +196,12 @@ def read_record(path: Path, identity: str) -> RankRecord:
     raise KeyError(f"no rank with identity {identity!r} in {path}; saved: {saved}")
 
 
+def read_records(path: Path) -> list[RankRecord]:
+    """Every rank's record, in the order they were saved."""
+    with h5py.File(path, "r") as f:
+        return [_read_record(g) for g in f["ranks"].values()]
+
+
 def _read_record(g: h5py.Group) -> RankRecord:
     rng = None
     if "rng" in g:

@@ -202,6 +202,10 @@ class TrainConfig(Section):
     """AdamW weight decay."""
     grad_clip: float = Field(1.0, ge=0)
     """Global gradient-norm clip; 0 disables clipping."""
+    shard_optimizer: bool = False
+    """ZeRO stage 1 (`train/sharded_optim.py`): split AdamW's moments (and a bf16 model's fp32 masters) over the
+    data-parallel ranks, each updating its rows and broadcasting them; bitwise the same weights as unsharded,
+    8 (fp32) or 12 (bf16) bytes per parameter become that / dp. Checkpoints hold one shard per DP rank."""
     balance: Literal["flops", "tokens", "none"] = "flops"
     """Data-parallel load balancing before the update: Karmarkar-Karp, then whole-group exchanges that
     lower the heaviest rank (`sched/balance.py::balanced_partition`), over a FLOPs proxy (a*L + L^2),

@@ -120,7 +120,8 @@ class BaseController:
         """Call `guard.enter_mutation()` before checkpointed state beyond `light_state` changes."""
 
     def restore(self, restored) -> None:
-        restore_rng(restored.rng)
+        if restored.found:  # a rank the checkpoint's layout did not have keeps the RNG a fresh start seeds
+            restore_rng(restored.rng)
 
     def load_weights(self, loaded) -> None:
         """`checkpoint.load_from` weights; only the trainer has any."""

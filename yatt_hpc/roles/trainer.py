@@ -39,7 +39,8 @@ import torch
 from mpi4py import MPI
 
 from yatt_hpc.batch import SampleBatch, image_columns
-from yatt_hpc.ckpt import RankState, capture_rng, load_optimizer_tensors, optimizer_tensors, restore_rng
+from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
+from yatt_hpc.ckpt.loader import reshard_optimizer, reshard_weights
 from yatt_hpc.comm.doorbell import DOORBELL
 from yatt_hpc.comm.prompt_routing import build_router
 from yatt_hpc.comm.rebalance import Rebalancer
@@ -58,7 +59,7 @@ from yatt_hpc.roles.validation import HeldOut
 from yatt_hpc.runtime.rank_stats import RankStats
 from yatt_hpc.sched.balance import balance_coeff
 from yatt_hpc.sched.dynamic_sampling import DynamicSampler, has_signal
-from yatt_hpc.sched.overdispatch import PromptQueue, dispatch_count
+from yatt_hpc.sched.overdispatch import PromptQueue, dispatch_count, relayout_positions
 from yatt_hpc.sched.routing import Routes
 from yatt_hpc.train.step_plan import kl_controller, plan_update, reward_kl, step_advantages, step_lr
 from yatt_hpc.vision.processor import ImageProcessor, is_vision_model
@@ -379,6 +380,7 @@ class TrainerController(BaseController):
         """RNG, data position (with returned prompts), sampler and routing state: all that changes
         before the optimizer step."""
         position = {"next_index": self.queue.next_index, "stride": self.routes.dp, "offset": self.dp_rank,
+                    "base": self.queue.base,
                     "returned": np.array(list(self.queue.returned), np.int64),  # prompts to dispatch first
                     "step": step, "world_rank": self.world.rank}
         return {"rng": capture_rng(), "data_position": position,
@@ -391,7 +393,7 @@ class TrainerController(BaseController):
         params = None
         if self.dp_rank == 0:
             params = self.policy.checkpoint_tensors()
-        optim, meta = optimizer_tensors(self.policy.optimizer, self.policy.master.items())
+        optim, meta = self.policy.optimizer_state()
         return RankState(self.identity, {"dp": self.dp_rank, "tp": self.tp_rank, "pp": 0}, model=params,
                          optim=optim, optim_meta=meta, **(light if light is not None else self.light_state(step)))
 
@@ -400,18 +402,42 @@ class TrainerController(BaseController):
         self.policy.optimizer.register_step_pre_hook(lambda *_: guard.enter_mutation())
 
     def restore(self, restored) -> None:
-        self.policy.load_checkpoint_tensors(restored.model)
-        load_optimizer_tensors(self.policy.optimizer, self.policy.master.items(),
-                               restored.optim, restored.optim_meta)
-        restore_rng(restored.rng)
-        if "next_index" not in restored.data_position or "sampling" not in restored.extra:
+        saved = restored.trainer_layout
+        now = {"dp": self.routes.dp, "tp": self.world.plan.group("trainer").size("tp"), "pp": 1}
+        if saved == now:
+            self.policy.load_checkpoint_tensors(restored.model)
+            self.policy.load_optimizer_state(restored.optim, restored.optim_meta)
+            restore_rng(restored.rng)
+            position, light = restored.data_position, restored
+        else:
+            position, light = self._relayout(restored, saved, now)
+        if "next_index" not in position or "sampling" not in light.extra:
             raise InputError(f"checkpoint step-{restored.step} of {self.identity} has no data position in this "
                              "version's format (written by an older yatt-hpc); start a fresh --run-dir, or use "
                              "checkpoint.load_from to take only its weights")
-        self.queue.load_state(restored.data_position["next_index"], restored.data_position.get("returned", ()))
-        self.sampler.load_state(restored.extra["sampling"])
-        self.expected_response = float(restored.extra.get("routing", {}).get("expected_response", self.expected_response))
-        self.kl.coef = float(restored.extra.get("kl", {}).get("coef", self.kl.coef))
+        self.queue.load_state(position["next_index"], position.get("returned", ()), position.get("base", 0))
+        self.sampler.load_state(light.extra["sampling"])
+        self.expected_response = float(light.extra.get("routing", {}).get("expected_response", self.expected_response))
+        self.kl.coef = float(light.extra.get("kl", {}).get("coef", self.kl.coef))
+
+    def _relayout(self, restored, saved: dict[str, int], now: dict[str, int]):
+        """A checkpoint of another trainer layout (a requeue onto other nodes): this shard's parameters and
+        optimizer state resharded (`ckpt/loader.py`), this replica's share of the prompts no replica has
+        consumed (`relayout_positions`); the sampler, routing and KL state of the saved first replica. The RNG
+        stays as a fresh start seeds it (sampling seeds come from the sample ids, not from it)."""
+        if saved["pp"] != 1:
+            raise InputError(f"checkpoint step-{restored.step} was written with trainer pp={saved['pp']}; this "
+                             "yatt-hpc trains with pp=1 only: resume it with the version that wrote it")
+        model = reshard_weights(restored.step_dir, self.policy.hf_config, saved["tp"], self.tp_rank, now["tp"])
+        self.policy.load_checkpoint_tensors(model)
+        optim, meta = reshard_optimizer(restored.step_dir, self.policy.hf_config, saved["tp"], self.tp_rank,
+                                        now["tp"])
+        self.policy.load_optimizer_state(optim, meta)
+        replicas = sorted((r for r in restored.trainers if r.coords.get("tp", 0) == 0), key=lambda r: r.coords["dp"])
+        positions = relayout_positions([r.data_position for r in replicas], now["dp"])
+        log.info("resumed checkpoint step %d written with trainer dp=%d tp=%d into dp=%d tp=%d",
+                 restored.step, saved["dp"], saved["tp"], now["dp"], now["tp"])
+        return positions[self.dp_rank], replicas[0]
 
     def rewind_logs(self, step: int) -> None:
         self.consumed.truncate(step)

@@ -35,10 +35,11 @@ def dispatch_count(keep: int, ratio: float) -> int:
 
 
 class PromptQueue:
-    """One replica's prompt stream: positions j*stride + offset, returned ones first (FRONT, ascending)."""
+    """One replica's prompt stream: positions base + j*stride + offset, returned ones first (FRONT, ascending).
+    `base` is 0 unless a checkpoint of another data-parallel layout was resumed (`relayout_positions`)."""
 
-    def __init__(self, stride: int, offset: int):
-        self.stride, self.offset = stride, offset
+    def __init__(self, stride: int, offset: int, base: int = 0):
+        self.stride, self.offset, self.base = stride, offset, base
         self.next_index = 0  # fresh positions handed out so far
         self.returned: deque[int] = deque()
 
@@ -47,18 +48,40 @@ class PromptQueue:
         reused = [self.returned.popleft() for _ in range(min(count, len(self.returned)))]
         fresh = np.arange(self.next_index, self.next_index + count - len(reused), dtype=np.int64)
         self.next_index += len(fresh)
-        return np.concatenate([np.array(reused, np.int64), fresh * self.stride + self.offset]), len(reused)
+        return (np.concatenate([np.array(reused, np.int64), self.base + fresh * self.stride + self.offset]),
+                len(reused))
 
     def give_back(self, positions) -> None:
         for p in sorted((int(p) for p in positions), reverse=True):
-            assert p % self.stride == self.offset and p // self.stride < self.next_index, p
+            rel = p - self.base
+            assert p < self.base or (rel % self.stride == self.offset and rel // self.stride < self.next_index), p
             self.returned.appendleft(p)
 
     def state(self) -> dict:
-        return {"next_index": self.next_index, "returned": list(self.returned)}
+        return {"next_index": self.next_index, "returned": list(self.returned), "base": self.base}
 
-    def load_state(self, next_index: int, returned=()) -> None:
-        self.next_index, self.returned = int(next_index), deque(int(p) for p in returned)
+    def load_state(self, next_index: int, returned=(), base: int = 0) -> None:
+        self.next_index, self.base = int(next_index), int(base)
+        self.returned = deque(int(p) for p in returned)
+
+
+def relayout_positions(saved: list[dict], dp: int) -> list[dict]:
+    """Data positions for `dp` replicas continuing the prompt stream `saved` replicas left (each a
+    `PromptQueue.state()`, in replica order). Every position not consumed yet is consumed exactly once,
+    the oldest first: those below the new base (a replica's returned prompts, and those a replica
+    behind the others had not reached) are dealt out in ascending order as returned prompts; fresh
+    positions continue from the first one no old replica reached. With equal progress and nothing
+    returned, the replicas' next prompts together are the old layout's next prompts."""
+    old = len(saved)
+    reached = max(int(s["next_index"]) for s in saved)
+    pending: list[int] = []
+    for d, s in enumerate(saved):
+        base = int(s.get("base", 0))
+        pending += [int(p) for p in s.get("returned", ())]
+        pending += [base + j * old + d for j in range(int(s["next_index"]), reached)]
+    new_base = max(int(s.get("base", 0)) for s in saved) + reached * old
+    pending.sort()
+    return [{"next_index": 0, "returned": pending[r::dp], "base": new_base} for r in range(dp)]
 
 
 def keep_lowest(groups, keep: int) -> tuple[list[int], list[int]]:

@@ -116,7 +116,8 @@ class AdamW:
             if missing:
                 raise ValueError(f"saved optimizer state for parameter {slot} lacks {sorted(missing)}")
             step_device = p.device if live["fused"] else "cpu"
-            state[p] = {"step": torch.as_tensor(values["step"], dtype=torch.float32).to(step_device).reshape(()),
+            # a copy: the fused kernel increments `step` in place, once per parameter that holds it
+            state[p] = {"step": torch.as_tensor(values["step"], dtype=torch.float32).to(step_device).reshape(()).clone(),
                         "exp_avg": values["exp_avg"].to(device=p.device, dtype=p.dtype),
                         "exp_avg_sq": values["exp_avg_sq"].to(device=p.device, dtype=p.dtype)}
         self.state = state

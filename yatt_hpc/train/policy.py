@@ -39,6 +39,7 @@ from yatt_hpc.algos.aggregate import Totals, aggregate
 from yatt_hpc.algos.kl import kl_estimate
 from yatt_hpc.algos.policy_loss import token_loss
 from yatt_hpc.batch import SampleBatch
+from yatt_hpc.ckpt.optim import load_optimizer_tensors, optimizer_tensors
 from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.device.offload import HostParking
 from yatt_hpc.metrics.activity import ACTIVITY
@@ -47,6 +48,7 @@ from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
 from yatt_hpc.train.adamw import AdamW
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
+from yatt_hpc.train.sharded_optim import ShardedAdamW
 from yatt_hpc.train.step_plan import UpdatePlan, whole_batch_plan
 from yatt_hpc.vision.processor import ImageProcessor
 
@@ -97,13 +99,20 @@ class MegatronPolicy:
         self.vocab_size = hf_config.get_text_config().vocab_size
         self.named_params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # not a frozen tower
         self.mixed = any(p.dtype != torch.float32 for p in self.named_params.values())
-        # fp32 masters for a bf16 model (the optimizer's parameters); the model's own otherwise
-        self.master = {name: _master_copy(p) for name, p in self.named_params.items()} if self.mixed \
-            else self.named_params
-        self.optimizer = AdamW(self.master.values(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                               betas=cfg.adam_betas, eps=cfg.adam_eps)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
+        # train.shard_optimizer: AdamW state (and a bf16 model's fp32 masters) split over the DP ranks
+        self.sharded = cfg.shard_optimizer and torch.distributed.get_world_size(self.dp_group) > 1
+        if self.sharded:
+            self.master = {}
+            self.optimizer = ShardedAdamW(self.named_params, self.dp_group, lr=cfg.lr, betas=cfg.adam_betas,
+                                          eps=cfg.adam_eps, weight_decay=cfg.weight_decay, mixed=self.mixed)
+        else:
+            # fp32 masters for a bf16 model (the optimizer's parameters); the model's own otherwise
+            self.master = {name: _master_copy(p) for name, p in self.named_params.items()} if self.mixed \
+                else self.named_params
+            self.optimizer = AdamW(self.master.values(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                   betas=cfg.adam_betas, eps=cfg.adam_eps)
         # the rollout's sampling temperature: logprobs score the distribution the tokens came from
         self.temperature = temperature
         self._parking = HostParking()
@@ -154,7 +163,7 @@ class MegatronPolicy:
         for _ in range(plan.epochs):
             for index, counts in zip(plan.minibatches, plan.totals):
                 terms = LossTerms(counts, plan.kl_coef, plan.norm_len)
-                self.optimizer.zero_grad(set_to_none=True)
+                self._zero_grads()
                 for start in range(0, len(index), self.cfg.micro_batch_size):
                     micro = index[start:start + self.cfg.micro_batch_size]
                     stats = self._micro_step(batch.select(micro), [advantages[i] for i in micro], plan.keep[micro],
@@ -164,11 +173,7 @@ class MegatronPolicy:
                         setattr(totals, key, getattr(totals, key) + getattr(stats, key))
                     if steps == 0:  # only the first optimizer step scores the weights the rollout sampled with
                         totals.logp_diff_max = max(totals.logp_diff_max, stats.logp_diff_max)
-                self._grads_to_master()
-                self._allreduce_grads()
-                totals.grad_norm += self._clip_grads()
-                self.optimizer.step()
-                self._master_to_model()
+                totals.grad_norm += self._optimizer_step()
                 steps += 1
         for key in ("kl", "entropy", "clip_frac", "tokens"):  # sums over the samples, once each
             setattr(totals, key, getattr(totals, key) / plan.epochs)
@@ -290,6 +295,32 @@ class MegatronPolicy:
                                entropy=float((entropy * m).sum()), clip_frac=float((clipped.to(m.dtype) * m).sum()),
                                grad_norm=0.0, tokens=float(m.sum()), logp_diff_max=diff)
 
+    def _zero_grads(self) -> None:
+        for p in self.named_params.values():
+            p.grad = None
+        if not self.sharded:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer_step(self) -> float:
+        """DP-sum the gradients, clip them by the global norm, step; the norm before clipping."""
+        if not self.sharded:
+            self._grads_to_master()
+            self._allreduce_grads()
+            norm = self._clip_grads([(p, p.grad) for p in self.master.values()])
+            self.optimizer.step()
+            self._master_to_model()
+            return norm
+        # the same fp32 gradients, sums and norm as the unsharded path; ShardedAdamW steps this rank's rows
+        grads = {}
+        for name, p in self.named_params.items():
+            g = torch.zeros(p.shape, dtype=torch.float32, device=p.device) if p.grad is None else \
+                p.grad.float() if self.mixed else p.grad
+            grads[name], p.grad = g, None
+        allreduce_bucketed(list(grads.values()), self.dp_group, GRAD_BUCKET_MB * 2**20)
+        norm = self._clip_grads([(self.named_params[n], g) for n, g in grads.items()])
+        self.optimizer.step(grads)
+        return norm
+
     def _allreduce_grads(self) -> None:
         """SUM the gradients the optimizer will step over the DP group, in `GRAD_BUCKET_MB` buckets."""
         if torch.distributed.get_world_size(self.dp_group) == 1:
@@ -318,28 +349,52 @@ class MegatronPolicy:
                 p.copy_(self.master[name])
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """The model's state dict with every parameter at full (master) precision."""
+        """The model's state dict with every parameter at full (master) precision (a sharded bf16 run: the
+        bf16 parameters; its fp32 masters are in the optimizer shards, `optimizer_state`)."""
         state = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
-        if self.mixed:
+        if self.mixed and not self.sharded:
             state.update({name: m.detach() for name, m in self.master.items() if name in state})
         return state
 
     def load_checkpoint_tensors(self, shard: dict[str, torch.Tensor]) -> None:
         """Inverse of `checkpoint_tensors` (a converter shard works too): model and masters."""
         megatron_model.load_megatron_shard(self.model, shard)
-        if self.mixed:
+        if self.mixed and self.sharded:
+            self.optimizer.load_masters(shard)
+        elif self.mixed:
             with torch.no_grad():
                 for name, master in self.master.items():
                     master.copy_(shard[name])
 
-    def _clip_grads(self) -> float:
-        """Global L2 norm over the whole (TP-sharded) model; clip to `grad_clip` if set."""
+    def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """This rank's optimizer file: ``{"<param>.<key>": tensor}`` and metadata (`yatt_hpc.ckpt.optim`); a
+        sharded optimizer's rows carry their ranges (`train/sharded_optim.py`)."""
+        if self.sharded:
+            return self.optimizer.state_tensors()
+        return optimizer_tensors(self.optimizer, self.master.items())
+
+    @torch.no_grad()
+    def load_optimizer_state(self, full: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        """Whole-parameter optimizer state (`ckpt.optim.assemble_state` of the checkpoint's files, sharded or not), after
+        `load_checkpoint_tensors`: ``<param>.master`` entries (a sharded bf16 run's) replace the masters."""
+        if self.sharded:
+            self.optimizer.load_state(full, meta)
+            return
+        for name, master in self.master.items():
+            if self.mixed and f"{name}.master" in full:
+                master.copy_(full[f"{name}.master"])
+        state = {k: v for k, v in full.items() if not k.endswith(".master")}
+        load_optimizer_tensors(self.optimizer, self.master.items(), state, meta)
+
+    def _clip_grads(self, grads: list[tuple[torch.Tensor, torch.Tensor | None]]) -> float:
+        """Global L2 norm over the whole (TP-sharded) model of the (parameter, gradient) pairs; clip the
+        gradients to `grad_clip` if set."""
         # summed on the parameters' device: NCCL reduces device tensors only, and one sync at the end
         sharded, replicated = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
-        for p in self.master.values():
-            if p.grad is None:
+        for p, g in grads:
+            if g is None:
                 continue
-            sq = p.grad.detach().float().pow(2).sum()
+            sq = g.detach().float().pow(2).sum()
             if getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:
@@ -349,9 +404,9 @@ class MegatronPolicy:
         norm = math.sqrt(float(sharded + replicated))
         if self.cfg.grad_clip and norm > self.cfg.grad_clip:
             scale = self.cfg.grad_clip / (norm + 1e-6)
-            for p in self.master.values():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+            for _, g in grads:
+                if g is not None:
+                    g.mul_(scale)
         return norm
 
     # ------------------------------------------------------------------ full colocation
@@ -364,15 +419,21 @@ class MegatronPolicy:
         if self.device.type != "cuda":
             return
         self.optimizer.zero_grad(set_to_none=True)
-        self._parking.release((self.model, self.reference), self.optimizer, self._master_list())
+        self._parking.release((self.model, self.reference), self._adamw, self._master_list())
 
     def resume_memory(self) -> None:
         if torch.cuda.is_available():
-            self._parking.resume((self.model, self.reference), self.optimizer,
+            self._parking.resume((self.model, self.reference), self._adamw,
                                  torch.device("cuda", torch.cuda.current_device()), self._master_list())
 
+    @property
+    def _adamw(self) -> AdamW:
+        return self.optimizer.inner if self.sharded else self.optimizer
+
     def _master_list(self) -> list[torch.Tensor]:
-        return list(self.master.values()) if self.mixed else []
+        if not self.mixed:
+            return []  # the parameters themselves (a sharded optimizer re-views them at each step)
+        return list(self.optimizer.master.values() if self.sharded else self.master.values())
 
     # ------------------------------------------------------------------ weights out
 
