@@ -91,6 +91,13 @@ def resume(runs: Path, name: str, *sets: str) -> Path:
 def test_a_sharded_checkpoint_resumes_bitwise(runs):
     assert sorted(p.name for p in (runs / "two" / "checkpoints" / "step-2").glob("optim-*")) == \
         ["optim-tp0-pp0-dp0.safetensors", "optim-tp0-pp0-dp1.safetensors"]
+    # each DP rank holds about half of the moments (the effect of the setting)
+    params = sum(t.numel() for t in load_file(str(runs / "two" / "checkpoints" / "step-2" /
+                                                  "model-tp0-pp0.safetensors")).values())
+    for dp in (0, 1):
+        state = load_file(str(runs / "two" / "checkpoints" / "step-2" / f"optim-tp0-pp0-dp{dp}.safetensors"))
+        moments = sum(t.numel() for k, t in state.items() if k.endswith(".exp_avg"))
+        assert abs(moments - params / 2) < 0.02 * params, (dp, moments, params)
     run_dir = resume(runs, "same", "train.shard_optimizer=true")
     want, got = hf_weights(runs / "straight", 3), hf_weights(run_dir, 3)
     assert all(torch.equal(want[k], got[k]) for k in want)

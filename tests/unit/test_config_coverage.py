@@ -61,6 +61,7 @@ EFFECT: dict[str, str] = {
     "train.lr": f"{EFFECTS}::test_lr_is_the_size_of_adams_first_step",
     "train.weight_decay": f"{EFFECTS}::test_weight_decay_shrinks_parameters_the_loss_does_not_move",
     "train.grad_clip": f"{EFFECTS}::test_grad_clip_bounds_the_gradient_the_optimizer_steps_with",
+    "train.shard_optimizer": "tests/mpi/test_sharded_optimizer.py::test_a_sharded_checkpoint_resumes_bitwise",
     "train.clip_low": f"{EFFECTS}::test_clip_low_clips_ratios_below_one_for_negative_advantages",
     "train.clip_high": f"{EFFECTS}::test_clip_high_clips_ratios_above_one_for_positive_advantages",
     "train.kl_coef": f"{EFFECTS}::test_kl_coef_builds_the_reference_and_adds_its_kl",

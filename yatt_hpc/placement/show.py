@@ -47,6 +47,23 @@ def what_runs(cfg: RunConfig) -> list[str]:
             f"genrm: {judge}"]
 
 
+def trainer_state_text(p: Plan, cfg: RunConfig) -> str:
+    """What each trainer rank holds per parameter P of the model, with the layout and train.shard_optimizer."""
+    g = p.group("trainer")
+    tp, dp = g.size("tp"), g.size("dp")
+    bf16 = cfg.model.dtype == "bfloat16"
+    weights, optim = (2, 12) if bf16 else (4, 8)  # bf16: 2-byte weights and grads; fp32 masters + 2 moments
+    what = "fp32 masters and AdamW moments" if bf16 else "AdamW moments"
+    if cfg.train.shard_optimizer and dp > 1:
+        held = f"{what} {optim}P/{tp * dp} (sharded over dp={dp}: train.shard_optimizer)"
+    else:
+        held = f"{what} {optim}P/{tp}" + (f" (the same on each of dp={dp}; train.shard_optimizer=true splits them)"
+                                           if dp > 1 else "")
+    ref = f", reference {weights}P/{tp}" if cfg.train.kl_coef > 0 else ""
+    grads = f"gradients {weights}P/{tp}" + (f" (fp32 for the update: 4P/{tp})" if bf16 else "")
+    return f"trainer rank state (bytes, P = parameters): weights {weights}P/{tp}, {grads}{ref}, {held}"
+
+
 def weight_sync_text(p: Plan, cfg: RunConfig) -> str:
     """How many engines take their weights by which transport (`placement/weight_transport.py`)."""
     by: dict[str, list[int]] = {}
@@ -61,7 +78,7 @@ def weight_sync_text(p: Plan, cfg: RunConfig) -> str:
 def print_plan(p: Plan, run_dir: str, console: Console, python: str = "python3", cfg: RunConfig | None = None) -> None:
     console.print(plan_table(p))
     console.print("leader (decisions only): world rank 0 = trainer rank 0")
-    for line in [*what_runs(cfg), weight_sync_text(p, cfg)] if cfg is not None else ():
+    for line in [*what_runs(cfg), trainer_state_text(p, cfg), weight_sync_text(p, cfg)] if cfg is not None else ():
         console.print(line, markup=False, highlight=False)
     if p.node_cpus is not None:
         threads = ", ".join(f"{g.name} {p.phase_threads(g.name)[1]}" for g in p.groups)
