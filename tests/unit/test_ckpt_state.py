@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from yatt_hpc.ckpt import (
-    CheckpointError,
     CheckpointManager,
     RankState,
     SharedState,
@@ -111,5 +110,7 @@ def test_shared_state_and_data_position_come_back_keyed_by_identity(tmp_path):
     assert got.shared.counters == {"step": 5, "samples": 640}
     assert got.shared.config_yaml == shared.config_yaml
     np.testing.assert_array_equal(got.shared.sampling["carry"]["ids"], np.arange(3))
-    with pytest.raises(CheckpointError, match="trainer/dp0/tp0/pp0"):
-        CheckpointManager(tmp_path).load_latest("trainer/dp7/tp0/pp0")
+    # an identity of another layout: found=False, the saved trainers' records to reshard from
+    other = CheckpointManager(tmp_path).load_latest("trainer/dp7/tp0/pp0")
+    assert not other.found and other.rng is None and other.data_position == {} and other.step == 5
+    assert [r.identity for r in other.trainers] == [IDENTITY] and other.shared.counters["step"] == 5

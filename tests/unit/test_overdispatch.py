@@ -62,7 +62,7 @@ def test_queue_hands_out_returned_positions_first_then_fresh_ones():
     assert got.tolist() == [1, 5, 7] and reused == 2
     q.give_back([7])
     q.give_back([1])                         # a later return goes in front of an earlier one
-    assert q.state() == {"next_index": 4, "returned": [1, 7]}
+    assert q.state() == {"next_index": 4, "returned": [1, 7], "base": 0}
     got, reused = q.take(1)
     assert got.tolist() == [1] and reused == 1 and list(q.returned) == [7]
     r = PromptQueue(stride=2, offset=1)

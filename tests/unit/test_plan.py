@@ -69,8 +69,8 @@ IMPOSSIBLE = [
     pytest.param(("placement.genrm.cp=2",), "context parallelism is a trainer feature", id="engine-cp"),
     pytest.param(("placement.trainer.pp=2", "placement.trainer.dp=null"), "placement.trainer.pp=2: pipeline "
         "parallelism is not implemented in the trainer", id="trainer-pp"),
-    pytest.param(("placement.trainer.cp=2", "placement.trainer.dp=null"), "placement.trainer.cp=2: context "
-        "parallelism is not implemented in the trainer", id="trainer-cp"),
+    pytest.param(("placement.trainer.cp=2", "placement.trainer.dp=null"), "placement.trainer.cp=2: Megatron-Core's "
+        "context parallelism needs Transformer Engine's attention", id="trainer-cp"),
     pytest.param(("placement.rollout.pp=2", "placement.rollout.devices_per_task=2"), "placement.rollout.pp=2: "
         "pipeline-parallel engine replicas are not implemented", id="engine-pp"),
     pytest.param(("placement.rollout.nodes=2",), "puts all groups on the same nodes", id="colocate-node-mismatch"),

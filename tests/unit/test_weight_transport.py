@@ -30,7 +30,8 @@ def transports(name: str, *overrides: str) -> dict[int, str]:
 
 def test_every_shipped_config_is_decided():
     shipped = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
-    assert shipped == sorted([*CPU_CONFIGS, "demo_1gpu", "colocate_gpu", "partial_gpu", "qwen2_7b_disjoint_1024gpu"])
+    assert shipped == sorted([*CPU_CONFIGS, "demo_1gpu", "colocate_gpu", "partial_gpu", "qwen2_7b_disjoint_1024gpu",
+                              "qwen2_72b_disjoint_h200"])
 
 
 @pytest.mark.parametrize("name", CPU_CONFIGS + ["demo_1gpu"])
@@ -84,7 +85,8 @@ def test_collective_on_cpu_is_gloo_for_every_engine(name):
     assert set(transports(name, "rollout.weight_transport=collective").values()) == {"collective"}
 
 
-@pytest.mark.parametrize("name", CPU_CONFIGS + ["demo_1gpu", "colocate_gpu", "partial_gpu", "qwen2_7b_disjoint_1024gpu"])
+@pytest.mark.parametrize("name", CPU_CONFIGS + ["demo_1gpu", "colocate_gpu", "partial_gpu", "qwen2_7b_disjoint_1024gpu",
+                              "qwen2_72b_disjoint_h200"])
 def test_mpi_is_mpi_everywhere(name):
     assert set(transports(name, "rollout.weight_transport=mpi").values()) == {"mpi"}
 

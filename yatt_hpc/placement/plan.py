@@ -192,11 +192,14 @@ def _trainer_layout(gp: GroupPlacement) -> tuple[tuple[str, int], ...]:
     if gp.devices_per_task > 1:
         raise PlanError(f"{f}.devices_per_task={gp.devices_per_task}: a Megatron rank drives exactly one device; "
                         f"set {f}.devices_per_task=1 and {f}.tasks_per_node to the GPUs per node")
-    for dim, what in (("pp", "pipeline"), ("cp", "context")):
-        if getattr(gp, dim) != 1:
-            raise PlanError(f"{f}.{dim}={getattr(gp, dim)}: {what} parallelism is not implemented in the trainer (it "
-                            f"would build Megatron with {dim}=1 and a {getattr(gp, dim)}x larger data-parallel group "
-                            f"than planned); set {f}.{dim}=1 and use tp (inside a node) and dp")
+    if gp.pp != 1:
+        raise PlanError(f"{f}.pp={gp.pp}: pipeline parallelism is not implemented in the trainer; set {f}.pp=1 and "
+                        "use tp (inside a node) and dp, with train.shard_optimizer=true to split the optimizer "
+                        "state over the dp ranks (docs/scale.md)")
+    if gp.cp != 1:
+        raise PlanError(f"{f}.cp={gp.cp}: Megatron-Core's context parallelism needs Transformer Engine's attention, "
+                        "and the trainer builds Megatron's local (Transformer-Engine-free) layers; set "
+                        f"{f}.cp=1 (docs/scale.md)")
     model_par = gp.tp * gp.cp * gp.pp
     if ranks % model_par:
         raise PlanError(f"{f}: tp*cp*pp = {gp.tp}*{gp.cp}*{gp.pp} = {model_par} does not divide the group's "
