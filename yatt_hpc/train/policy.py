@@ -129,7 +129,8 @@ class MegatronPolicy:
             raise ValueError(f"train.train_vision_tower=true but model.path={str(model_dir)!r} has no vision tower "
                              "(config.json has no vision_config); drop the setting or use a vision-language model")
         model = megatron_model.build_gpt_model(hf_config, tp_size, params_dtype=dtype,
-                                               train_vision=cfg.train_vision_tower)
+                                               train_vision=cfg.train_vision_tower,
+                                               recompute=megatron_model.Recompute.of(cfg))
         megatron_model.load_megatron_shard(model, shard)
         reference = None
         if cfg.kl_coef > 0:
@@ -262,7 +263,8 @@ class MegatronPolicy:
         if self.reference is not None and terms.kl_coef:
             with torch.no_grad():
                 ref_logp, _ = self._shared_logprobs(self.reference, layout, vision)
-        return self._loss_backward(logp, entropy, ref_logp, old_logp, layout.mask, adv_tok, keep, terms)
+        with shared_prompt.active(layout):  # a recomputed layer (train.recompute) attends on the same stream
+            return self._loss_backward(logp, entropy, ref_logp, old_logp, layout.mask, adv_tok, keep, terms)
 
     def _shared_logprobs(self, model, layout: shared_prompt.SharedLayout,
                          vision: megatron_model.VisionInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
