@@ -6,9 +6,10 @@
     for name, tensor in policy.hf_weights(): ...                              # collective over the TP group
 
 The update runs `plan.epochs` passes; each pass one optimizer step per mini-batch
-(`train/step_plan.py`), each micro-batch's loss the policy loss of `train.loss_mode` aggregated by
-`train.loss_agg_mode` with the KL and entropy terms (`yatt_hpc/algos/`). Data parallelism is plain:
-each DP replica computes gradients on its own samples, every aggregate is already divided by the
+(`train/step_plan.py`), its samples in micro-batches of `train.micro_batch_size` samples or packed to
+`train.max_tokens_per_micro_batch` (`train/micro_batches.py`), each micro-batch's loss the policy loss of
+`train.loss_mode` aggregated by `train.loss_agg_mode` with the KL and entropy terms (`yatt_hpc/algos/`).
+Data parallelism is plain: each DP replica computes gradients on its own samples, every aggregate is already divided by the
 mini-batch's global counts, so an all-reduce SUM over the DP group gives the exact gradient of the
 whole mini-batch's loss. (Megatron's DDP and optimizer hard-code CUDA; on GPU the same code runs
 with NCCL.)
@@ -48,6 +49,7 @@ from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
 from yatt_hpc.train.adamw import AdamW
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
+from yatt_hpc.train.micro_batches import micro_batches
 from yatt_hpc.train.sharded_optim import ShardedAdamW
 from yatt_hpc.train.step_plan import UpdatePlan, whole_batch_plan
 from yatt_hpc.vision.processor import ImageProcessor
@@ -165,8 +167,7 @@ class MegatronPolicy:
             for index, counts in zip(plan.minibatches, plan.totals):
                 terms = LossTerms(counts, plan.kl_coef, plan.norm_len)
                 self._zero_grads()
-                for start in range(0, len(index), self.cfg.micro_batch_size):
-                    micro = index[start:start + self.cfg.micro_batch_size]
+                for micro in micro_batches(batch, index, self.cfg):
                     stats = self._micro_step(batch.select(micro), [advantages[i] for i in micro], plan.keep[micro],
                                              terms, pixels)
                     ACTIVITY.progress()
@@ -187,17 +188,17 @@ class MegatronPolicy:
     def reference_logprobs(self, batch: SampleBatch) -> list[np.ndarray]:
         """The frozen reference's log-probability of every response token, one array per sample (the KL
         in the reward); collective over the TP group, like a forward."""
-        out: list[np.ndarray] = []
+        out: list[np.ndarray | None] = [None] * len(batch)
         pixels = self._group_pixels(batch)
-        for start in range(0, len(batch), self.cfg.micro_batch_size):
-            mb = batch.select(np.arange(start, min(start + self.cfg.micro_batch_size, len(batch))))
+        for micro in micro_batches(batch, np.arange(len(batch)), self.cfg):
+            mb = batch.select(micro)
             if self.share_prompts:
                 layout = shared_prompt.build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"),
                                                     mb.prompt_id)
                 vision = None if self.images is None else \
                     update_images.shared_inputs(self.images, mb, layout, pixels, self.device)
                 logp, _ = self._shared_logprobs(self.reference, layout.to(self.device), vision)
-                out.extend(row[:n] for row, n in zip(logp.float().cpu().numpy(), mb.response_len))
+                rows = [row[:n] for row, n in zip(logp.float().cpu().numpy(), mb.response_len)]
             else:
                 tokens, _, _ = pack_micro_batch(mb)
                 tokens = tokens.to(self.device)
@@ -205,8 +206,10 @@ class MegatronPolicy:
                 logits = megatron_model.forward_logits(self.reference, inputs,
                                                        images=self.vision_inputs(mb, inputs, pixels))
                 logp, _ = token_logprobs_and_entropy(logits, targets, self.tp_group, self.vocab_size, self.temperature)
-                rows = logp.float().cpu().numpy()
-                out.extend(rows[i, p - 1:p - 1 + n] for i, (p, n) in enumerate(zip(mb.prompt_len, mb.response_len)))
+                padded = logp.float().cpu().numpy()
+                rows = [padded[i, p - 1:p - 1 + n] for i, (p, n) in enumerate(zip(mb.prompt_len, mb.response_len))]
+            for i, row in zip(micro, rows):
+                out[i] = row
             ACTIVITY.progress()
         return out
 
