@@ -134,3 +134,21 @@ def test_a_budget_that_packs_the_fixed_micro_batches_gives_bitwise_their_gradien
     assert budget_fed == fixed_fed == [whole]  # forward_tokens counts what the forward embeds
     for name, grad in fixed_grad.items():
         assert torch.equal(budget_grad[name], grad), name
+
+
+@pytest.mark.parametrize("value, needles", [
+    pytest.param("-5", ["train.max_tokens_per_micro_batch", "invalid value -5", "greater than or equal to 0"],
+                 id="negative"),
+    pytest.param("1.5", ["train.max_tokens_per_micro_batch", "invalid value 1.5", "integer"], id="fraction"),
+    pytest.param("lots", ["train.max_tokens_per_micro_batch", "invalid value 'lots'", "integer"], id="text"),
+])
+def test_nonsense_budgets_are_refused_at_load_naming_the_field_value_and_fix(value, needles):
+    from yatt_hpc.config import load_config
+    from yatt_hpc.config.load import ConfigError
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(config, [f"train.max_tokens_per_micro_batch={value}"])
+    for needle in needles + ["--set train.max_tokens_per_micro_batch="]:
+        assert needle in str(err.value), str(err.value)
+    assert load_config(config, ["train.max_tokens_per_micro_batch=0"]).train.max_tokens_per_micro_batch == 0

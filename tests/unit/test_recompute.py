@@ -61,15 +61,16 @@ def test_recompute_gives_bitwise_the_gradients_of_none(one_rank_world, rope_mode
             assert torch.equal(recomputed[name], grad), (model_dir.name, name)
 
 
-def _saved_bytes(recompute: dict, share: bool) -> int:
-    """Bytes the demo policy's training forward keeps for its backward on 4 samples of 63 positions."""
+def _saved_bytes(share: bool, **recompute) -> int:
+    """Bytes the demo policy's training forward, built for `TrainConfig(**recompute)`, keeps for its backward
+    on 4 samples of 63 positions."""
     from yatt_hpc.metrics.saved_tensors import SavedActivations
     from yatt_hpc.models.hf_config import load_hf_config
     from yatt_hpc.train import convert, megatron_model, shared_prompt
     from yatt_hpc.train.policy import load_hf_state_dict
 
     config = load_hf_config(DEMO_POLICY)
-    model = megatron_model.build_gpt_model(config, 1, recompute=megatron_model.Recompute(**recompute))
+    model = megatron_model.build_gpt_model(config, 1, recompute=megatron_model.Recompute.of(TrainConfig(**recompute)))
     megatron_model.load_megatron_shard(model, convert.hf_to_megatron(load_hf_state_dict(DEMO_POLICY), config, 0, 1))
     model.train()
     tokens = torch.randint(3, config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
@@ -87,16 +88,38 @@ def _saved_bytes(recompute: dict, share: bool) -> int:
 
 @pytest.mark.parametrize("share", [pytest.param(True, id="shared-prompts"), pytest.param(False, id="padded")])
 def test_recompute_keeps_fewer_activations_for_the_backward(one_rank_world, share):
-    none = _saved_bytes({}, share)
-    selective = _saved_bytes({"mode": "selective"}, share)
-    full = _saved_bytes({"mode": "full", "method": "uniform", "num_layers": 1}, share)
-    full_all = _saved_bytes({"mode": "full", "method": "uniform", "num_layers": 3}, share)
-    print(f"saved for the backward (share_prompts={share}): none {none / 2**20:.2f} MiB, selective "
-          f"{selective / 2**20:.2f}, full per layer {full / 2**20:.2f}, full over all 3 layers {full_all / 2**20:.2f}")
-    # selective drops each layer's attention scores and probabilities (heads x T x T); full keeps one
-    # [T, B, hidden] input per layer; one chunk of three layers keeps one input in all
-    assert full_all < full < selective < none
+    none = _saved_bytes(share)
+    selective = _saved_bytes(share, recompute="selective")
+    full = _saved_bytes(share, recompute="full")
+    block = _saved_bytes(share, recompute="full", recompute_method="block", recompute_num_layers=1)
+    chunk = _saved_bytes(share, recompute="full", recompute_num_layers=3)
+    print(f"saved for the backward (share_prompts={share}), MiB: none {none / 2**20:.2f}, selective "
+          f"{selective / 2**20:.2f}, full {full / 2**20:.2f}, full block of 1 layer {block / 2**20:.2f}, "
+          f"full uniform chunks of 3 layers {chunk / 2**20:.2f}")
+    # selective drops each layer's attention scores and probabilities; full keeps one [T, B, hidden] input per
+    # layer (per chunk of 3: one in all); block recomputes only the first of the 3 layers
+    assert chunk < full < selective < none
+    assert full < block < none
     assert full < 0.5 * none
+
+
+@pytest.mark.parametrize("override, needles", [
+    pytest.param("train.recompute=partial", ["train.recompute", "'partial'", "'none', 'selective' or 'full'"],
+                 id="unknown-mode"),
+    pytest.param("train.recompute_method=block", ["train.recompute_method=block", "train.recompute=none",
+                                                  "set train.recompute=full"], id="method-without-full"),
+    pytest.param("train.recompute_num_layers=2", ["train.recompute_num_layers=2", "train.recompute=none",
+                                                  "set train.recompute=full"], id="layers-without-full"),
+    pytest.param("train.recompute_num_layers=0", ["train.recompute_num_layers", "invalid value 0"], id="no-layers"),
+])
+def test_recompute_settings_that_cannot_act_are_refused_at_load(override, needles):
+    from yatt_hpc.config import load_config
+    from yatt_hpc.config.load import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml", [override])
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
 
 
 def test_a_recomputed_shared_prompt_layer_refuses_to_run_without_its_layout(one_rank_world):
