@@ -49,7 +49,7 @@ from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
 from yatt_hpc.train.adamw import AdamW
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
-from yatt_hpc.train.micro_batches import micro_batches
+from yatt_hpc.train.micro_batches import forward_tokens, micro_batches
 from yatt_hpc.train.sharded_optim import ShardedAdamW
 from yatt_hpc.train.step_plan import UpdatePlan, whole_batch_plan
 from yatt_hpc.vision.processor import ImageProcessor
@@ -65,6 +65,7 @@ class UpdateStats:
     tokens: float
     logp_diff_max: float = 0.0  # max |trainer logp - rollout logp| before the update: weight-sync health
     optimizer_steps: int = 0
+    micro_batch_tokens_max: int = 0  # the largest micro-batch forward, in tokens (train/micro_batches.py)
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,8 @@ class MegatronPolicy:
                 terms = LossTerms(counts, plan.kl_coef, plan.norm_len)
                 self._zero_grads()
                 for micro in micro_batches(batch, index, self.cfg):
+                    totals.micro_batch_tokens_max = max(totals.micro_batch_tokens_max, forward_tokens(
+                        batch.prompt_len[micro], batch.response_len[micro], batch.prompt_id[micro], self.share_prompts))
                     stats = self._micro_step(batch.select(micro), [advantages[i] for i in micro], plan.keep[micro],
                                              terms, pixels)
                     ACTIVITY.progress()
