@@ -255,7 +255,7 @@ REFUSED: dict[str, str] = {
                                         "test_nonsense_budgets_are_refused_at_load_naming_the_field_value_and_fix",
     "train.recompute": f"{RECOMPUTE}::test_recompute_settings_that_cannot_act_are_refused_at_load",
     "train.recompute_method": f"{RECOMPUTE}::test_recompute_settings_that_cannot_act_are_refused_at_load",
-    "train.recompute_num_layers": f"{RECOMPUTE}::test_recompute_settings_that_cannot_act_are_refused_at_load",
+    "train.recompute_num_layers": f"{RECOMPUTE}::test_recomputed_layers_the_model_cannot_take_are_refused",
     "train.adv_estimator": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
     "train.loss_agg_mode": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
     "train.clip_ratio_c": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",

@@ -142,9 +142,20 @@ def test_a_recomputed_shared_prompt_layer_refuses_to_run_without_its_layout(one_
     pytest.param("uniform", 2, "train.recompute_num_layers=2 does not divide the model's 3", id="uniform-not-a-divisor"),
 ])
 def test_recomputed_layers_the_model_cannot_take_are_refused(one_rank_world, method, layers, message):
+    """Before launch (`yatt-hpc run` and every rank check the model directory) and where the model is built."""
+    from yatt_hpc.config import load_config
+    from yatt_hpc.errors import InputError
     from yatt_hpc.models.hf_config import load_hf_config
+    from yatt_hpc.runtime.inputs import check_model_dirs
     from yatt_hpc.train import megatron_model
 
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml",
+                      ["train.recompute=full", f"train.recompute_method={method}", f"train.recompute_num_layers={layers}"])
+    with pytest.raises(InputError, match=message):
+        check_model_dirs(cfg)
     with pytest.raises(ValueError, match=message):
         megatron_model.build_gpt_model(load_hf_config(DEMO_POLICY), 1,
                                        recompute=megatron_model.Recompute("full", method, layers))
+    check_model_dirs(load_config(Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml",
+                                 ["train.recompute=full", f"train.recompute_method={method}",
+                                  "train.recompute_num_layers=3"]))  # the model's own count fits either method

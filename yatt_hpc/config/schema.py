@@ -307,6 +307,22 @@ class TrainConfig(Section):
         return self
 
 
+def recompute_layers_problem(train: TrainConfig, model_layers: int) -> str | None:
+    """Why `train.recompute_num_layers` cannot act on a model of `model_layers` transformer layers (None: it can).
+    Megatron would index layers past the last one (transformer_block.py `_checkpointed_forward`)."""
+    if train.recompute != "full":
+        return None
+    layers = train.recompute_num_layers
+    if layers > model_layers:
+        return (f"train.recompute_num_layers={layers} is more than the model's {model_layers} transformer layers; "
+                f"set train.recompute_num_layers to at most {model_layers}")
+    if train.recompute_method == "uniform" and model_layers % layers:
+        return (f"train.recompute_num_layers={layers} does not divide the model's {model_layers} transformer layers, "
+                "and train.recompute_method=uniform checkpoints chunks of that many; use a divisor of "
+                f"{model_layers}, or train.recompute_method=block")
+    return None
+
+
 class DynamicSamplingConfig(Section):
     """DAPO-style filtering of zero-variance prompt groups, refilled in waves (WeChat-YATT v4)."""
 

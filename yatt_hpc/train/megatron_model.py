@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from yatt_hpc.config.schema import TrainConfig, recompute_layers_problem
 from yatt_hpc.train import cpu_compat
 from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
 from yatt_hpc.train.mcore import (
@@ -115,13 +116,10 @@ class Recompute:
             return {}
         if self.mode == "selective":
             return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
-        if self.num_layers > model_layers:
-            raise ValueError(f"train.recompute_num_layers={self.num_layers} is more than the model's {model_layers} "
-                             f"transformer layers; set train.recompute_num_layers to at most {model_layers}")
-        if self.method == "uniform" and model_layers % self.num_layers:
-            raise ValueError(f"train.recompute_num_layers={self.num_layers} does not divide the model's {model_layers} "
-                             "transformer layers, and train.recompute_method=uniform checkpoints chunks of that many; "
-                             f"use a divisor of {model_layers}, or train.recompute_method=block")
+        problem = recompute_layers_problem(TrainConfig(recompute=self.mode, recompute_method=self.method,
+                                                       recompute_num_layers=self.num_layers), model_layers)
+        if problem:
+            raise ValueError(problem)
         return {"recompute_granularity": "full", "recompute_method": self.method,
                 "recompute_num_layers": self.num_layers}
 
