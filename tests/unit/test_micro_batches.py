@@ -1,4 +1,4 @@
-"""Token-budget micro-batches (`train.max_tokens_per_micro_batch`, train/micro_batches.py): every sample in
+"""Token-budget micro-batches (`train.max_tokens_per_micro_batch`, train/step_plan.py): every sample in
 exactly one micro-batch, each within the budget (or alone), groups kept whole where they fit, the same
 packing on every run; and the update's gradient and the reference's log-probabilities those of fixed
 micro-batches, for every loss aggregation, with and without the shared-prompt forward."""
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from tests.programs.dp_update import global_batch
 from yatt_hpc.config.schema import TrainConfig
-from yatt_hpc.train.micro_batches import forward_tokens, micro_batches, pack
+from yatt_hpc.train.step_plan import forward_tokens, micro_batches, pack
 
 DEMO_POLICY = Path(__file__).resolve().parents[2] / "models" / "demo" / "policy"
 

@@ -7,7 +7,7 @@
 
 The update runs `plan.epochs` passes; each pass one optimizer step per mini-batch
 (`train/step_plan.py`), its samples in micro-batches of `train.micro_batch_size` samples or packed to
-`train.max_tokens_per_micro_batch` (`train/micro_batches.py`), each micro-batch's loss the policy loss of
+`train.max_tokens_per_micro_batch` (`train/step_plan.py`), each micro-batch's loss the policy loss of
 `train.loss_mode` aggregated by `train.loss_agg_mode` with the KL and entropy terms (`yatt_hpc/algos/`).
 Data parallelism is plain: each DP replica computes gradients on its own samples, every aggregate is already divided by the
 mini-batch's global counts, so an all-reduce SUM over the DP group gives the exact gradient of the
@@ -49,9 +49,8 @@ from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
 from yatt_hpc.train.adamw import AdamW
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
-from yatt_hpc.train.micro_batches import forward_tokens, micro_batches
 from yatt_hpc.train.sharded_optim import ShardedAdamW
-from yatt_hpc.train.step_plan import UpdatePlan, whole_batch_plan
+from yatt_hpc.train.step_plan import UpdatePlan, forward_tokens, micro_batches, whole_batch_plan
 from yatt_hpc.vision.processor import ImageProcessor
 
 
@@ -65,7 +64,7 @@ class UpdateStats:
     tokens: float
     logp_diff_max: float = 0.0  # max |trainer logp - rollout logp| before the update: weight-sync health
     optimizer_steps: int = 0
-    micro_batch_tokens_max: int = 0  # the largest micro-batch forward, in tokens (train/micro_batches.py)
+    micro_batch_tokens_max: int = 0  # the largest micro-batch forward, in tokens (train/step_plan.py)
 
 
 @dataclass(frozen=True)
