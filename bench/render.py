@@ -125,6 +125,12 @@ BENCHES = [
         "against 0.4 s uncapped, on this machine's disk); the first save also faults its buffers in. The figures are the "
         "process's resident memory: the allocator keeps what a step frees (runtime/allocator.py), so the "
         "resident size at the end is the peak working set, not what is live.")),
+    Bench("B11", "long_responses", limits=(
+        "Tiny width (64) on CPU, so attention over the 4,000-token responses is most of what a micro-batch holds: "
+        "the budget bounds it by the budget's tokens, recomputation drops it from what the backward keeps. The "
+        "figures include the trainer process's ~370 MB of torch and Megatron. Train times share 2 busy cores with "
+        "other work and move by 1.5x between runs; recomputation's second forward and the budget's smaller "
+        "matmuls cost time, not measured closely here.")),
     Bench("G1", "ckpt_stall_cuda", script="ckpt_stall", run=False, adapt=_ckpt_stall, limits=(
         "One H200, lent briefly; run by hand (`bench/ckpt_stall.py --device cuda`). The async stall is the "
         "device-to-pinned-host copy; the write and commit follow in the background.")),

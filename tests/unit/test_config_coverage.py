@@ -32,6 +32,7 @@ IMAGES = "tests/unit/test_image_rows.py"  # image rows: data.images_key, data.ma
 RUN = "tests/mpi/test_config_effects_run.py"
 RECIPES = "tests/unit/test_recipe_effects.py"  # the recipe settings of train: and reward:, and eval's sampling
 RECIPE_RUN = "tests/mpi/test_recipes_run.py"  # runs of each recipe family, and validation
+RECOMPUTE = "tests/unit/test_recompute.py"  # activation recomputation: bytes kept, gradients, refusals
 
 EFFECT: dict[str, str] = {
     # ---------------------------------------------------------------- model
@@ -58,6 +59,8 @@ EFFECT: dict[str, str] = {
     "train.seed": f"{EFFECTS}::test_train_seed_seeds_the_rollout_engine",
     "train.prompts_per_step": "tests/mpi/test_grpo_run.py::test_metrics_are_consistent",
     "train.micro_batch_size": f"{EFFECTS}::test_micro_batch_size_cuts_the_forward_backward_passes",
+    "train.max_tokens_per_micro_batch": "tests/unit/test_micro_batches.py::"
+                                        "test_the_budget_gives_the_fixed_micro_batches_gradient",
     "train.lr": f"{EFFECTS}::test_lr_is_the_size_of_adams_first_step",
     "train.weight_decay": f"{EFFECTS}::test_weight_decay_shrinks_parameters_the_loss_does_not_move",
     "train.grad_clip": f"{EFFECTS}::test_grad_clip_bounds_the_gradient_the_optimizer_steps_with",
@@ -92,6 +95,9 @@ EFFECT: dict[str, str] = {
                                  "test_balance_and_balance_flops_coeff_choose_the_workload_groups_are_split_by",
     "train.share_prompts": "tests/unit/test_shared_prompt.py::test_policy_update_is_the_same_with_shared_prompts",
     "train.train_vision_tower": "tests/unit/test_vlm_policy.py::test_train_vision_tower_decides_whether_the_tower_moves",
+    "train.recompute": f"{RECOMPUTE}::test_recompute_keeps_fewer_activations_for_the_backward",
+    "train.recompute_method": f"{RECOMPUTE}::test_recompute_keeps_fewer_activations_for_the_backward",
+    "train.recompute_num_layers": f"{RECOMPUTE}::test_recompute_keeps_fewer_activations_for_the_backward",
     # ---------------------------------------------------------------- rollout
     "rollout.engine": f"{EFFECTS}::test_rollout_requests_carry_the_configured_sampling",
     "rollout.samples_per_prompt": "tests/mpi/test_grpo_run.py::test_metrics_are_consistent",
@@ -245,6 +251,11 @@ REFUSED: dict[str, str] = {
     "slurm.signal": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
     "slurm.extra_flags": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
     "slurm.env": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
+    "train.max_tokens_per_micro_batch": "tests/unit/test_micro_batches.py::"
+                                        "test_nonsense_budgets_are_refused_at_load_naming_the_field_value_and_fix",
+    "train.recompute": f"{RECOMPUTE}::test_recompute_settings_that_cannot_act_are_refused_at_load",
+    "train.recompute_method": f"{RECOMPUTE}::test_recompute_settings_that_cannot_act_are_refused_at_load",
+    "train.recompute_num_layers": f"{RECOMPUTE}::test_recomputed_layers_the_model_cannot_take_are_refused",
     "train.adv_estimator": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
     "train.loss_agg_mode": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",
     "train.clip_ratio_c": f"{RECIPES}::test_refused_recipe_settings_name_the_field_and_the_fix",

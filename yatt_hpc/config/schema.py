@@ -127,7 +127,16 @@ class TrainConfig(Section):
     prompts_per_step: int = Field(16, ge=1)
     """Prompt groups per step over all trainer data-parallel ranks (must divide by trainer dp)."""
     micro_batch_size: int = Field(8, ge=1)
-    """Samples per forward/backward on one trainer rank; gradients accumulate over micro-batches."""
+    """Samples per forward/backward on one trainer rank; gradients accumulate over micro-batches. With
+    `max_tokens_per_micro_batch` it is the most samples a micro-batch holds."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Token-budget micro-batches: each mini-batch's samples (and the reference's scoring) are packed into
+    micro-batches of at most this many tokens of the forward (with `share_prompts`, each distinct prompt once
+    plus its samples' response inputs; without, rows x the longest row), and at most `micro_batch_size`
+    samples, so one long response no longer sets the size of every micro-batch. Longest samples first,
+    first fit; a prompt group stays in one micro-batch where it fits. A sample longer than the budget gets a
+    micro-batch of its own. The loss and gradients are the fixed-size path's (up to float summation order).
+    0: fixed micro-batches of `micro_batch_size` samples."""
     adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = "grpo"
     """How rewards become advantages (`yatt_hpc/algos/advantages.py`): `grpo` (group mean and std; Dr.GRPO with
     `norm_adv_by_std: false`), `rloo` (leave-one-out group baseline), `reinforce_plus_plus` (batch-whitened
@@ -217,6 +226,21 @@ class TrainConfig(Section):
     """Run each distinct prompt (and its images) through the trainer's forward once per micro-batch instead of
     once per sample (a GRPO group's samples share it; `train/shared_prompt.py`): the same logprobs and
     gradients from fewer tokens. False pads every sample to its own row."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation (Megatron-Core's; Korthikanti et al. 2022, arXiv 2205.05198): `none` keeps every
+    activation for the backward; `selective` recomputes each layer's core attention in the backward (Megatron's
+    recompute_granularity=selective, recompute_modules=[core_attn]): the attention scores and probabilities, which
+    grow with the square of the sequence, are not kept; `full` keeps only the input of each checkpointed chunk of
+    transformer layers and recomputes the chunk in the backward (recompute_granularity=full). Gradients are the
+    same; each recomputed part runs its forward twice."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """`recompute: full` only (Megatron's recompute_method): `uniform` splits the layers into chunks of
+    `recompute_num_layers` and keeps only each chunk's input; `block` recomputes the first
+    `recompute_num_layers` layers one at a time and keeps the other layers' activations."""
+    recompute_num_layers: int = Field(1, ge=1)
+    """`recompute: full` only (Megatron's recompute_num_layers): layers per checkpointed chunk (`uniform`) or
+    layers recomputed (`block`); at most the model's layer count, and a divisor of it for `uniform` (checked when
+    the trainer builds the model)."""
     train_vision_tower: bool = False
     """Vision-language policies (Qwen2-VL): train the vision tower too (it is then in the optimizer, the
     data-parallel all-reduce and the weight sync); false keeps it frozen at the checkpoint's weights and
@@ -268,6 +292,11 @@ class TrainConfig(Section):
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr={self.min_lr:g} is above train.lr={self.lr:g}; the floor of the decay "
                              "must be below the peak")
+        if self.recompute != "full":
+            for f in ("recompute_method", "recompute_num_layers"):
+                if getattr(self, f) != default[f].default:
+                    raise ValueError(f"train.{f}={getattr(self, f)} shapes full recomputation, but train.recompute="
+                                     f"{self.recompute}; set train.recompute=full, or drop train.{f}")
         if self.mini_batches > self.prompts_per_step:
             raise ValueError(f"train.mini_batches={self.mini_batches} is more than train.prompts_per_step="
                              f"{self.prompts_per_step}: a mini-batch holds whole prompt groups; lower "
@@ -276,6 +305,22 @@ class TrainConfig(Section):
             if not 0 <= beta < 1:
                 raise ValueError(f"train.adam_betas {name}={beta:g} must lie in [0, 1)")
         return self
+
+
+def recompute_layers_problem(train: TrainConfig, model_layers: int) -> str | None:
+    """Why `train.recompute_num_layers` cannot act on a model of `model_layers` transformer layers (None: it can).
+    Megatron would index layers past the last one (transformer_block.py `_checkpointed_forward`)."""
+    if train.recompute != "full":
+        return None
+    layers = train.recompute_num_layers
+    if layers > model_layers:
+        return (f"train.recompute_num_layers={layers} is more than the model's {model_layers} transformer layers; "
+                f"set train.recompute_num_layers to at most {model_layers}")
+    if train.recompute_method == "uniform" and model_layers % layers:
+        return (f"train.recompute_num_layers={layers} does not divide the model's {model_layers} transformer layers, "
+                "and train.recompute_method=uniform checkpoints chunks of that many; use a divisor of "
+                f"{model_layers}, or train.recompute_method=block")
+    return None
 
 
 class DynamicSamplingConfig(Section):

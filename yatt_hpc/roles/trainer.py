@@ -468,4 +468,5 @@ class TrainerController(BaseController):
             self.stats.add(key, float(value))
         self.stats.values["grad_norm"] = update.grad_norm
         self.stats.values["logp_diff_max"] = update.logp_diff_max
+        self.stats.values["micro_batch_tokens_max"] = float(update.micro_batch_tokens_max)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from yatt_hpc.config.schema import RunConfig
+from yatt_hpc.config.schema import RunConfig, recompute_layers_problem
 from yatt_hpc.errors import InputError
 
 
@@ -41,8 +41,25 @@ def check_model_arch(cfg: RunConfig) -> None:
                          f"(or model.arch={found}), or point model.path at a {cfg.model.arch} model")
 
 
+def check_recompute_layers(cfg: RunConfig) -> None:
+    """`train.recompute_num_layers` must fit the policy's layer count (config.json, or its text_config)."""
+    if cfg.train.recompute != "full":
+        return
+    path = Path(cfg.model.path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise InputError(f"model.path={cfg.model.path!r}: config.json cannot be read ({err})") from None
+    text = config.get("text_config") or config
+    layers = text.get("num_hidden_layers", text.get("n_layer"))
+    problem = None if layers is None else recompute_layers_problem(cfg.train, int(layers))
+    if problem:
+        raise InputError(f"{problem} ({path})")
+
+
 def check_model_dirs(cfg: RunConfig) -> None:
     check_model_dir(cfg.model.path, "model.path")
     check_model_arch(cfg)
+    check_recompute_layers(cfg)
     if cfg.reward.mode != "rule_only":
         check_model_dir(cfg.reward.genrm_path, "reward.genrm_path")

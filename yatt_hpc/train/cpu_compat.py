@@ -9,6 +9,10 @@ Nothing here runs at import time, and every function returns without touching an
 is available: on a GPU machine megatron's own code paths are used unchanged. Each accommodation
 names the megatron source line it steps around, so it can be dropped when upstream fixes it.
 
+Activation recomputation (``train.recompute``) runs through Megatron's own ``tensor_parallel.checkpoint``,
+whose RNG bookkeeping reads and restores the CUDA generator's state; on CPU that bookkeeping covers the
+CPU generator and the tracker only (``_use_cpu_rng_states``).
+
 Not covered, because our trainer does not use them on CPU: ``get_forward_backward_func`` schedules,
 megatron ``DistributedDataParallel``, ``get_megatron_optimizer`` (literal ``"cuda"`` devices),
 ``dist_checkpointing.save`` (CUDA sync), ``sequence_parallel`` (needs TE/Apex). The default causal
@@ -47,7 +51,28 @@ def prepare_cpu_runtime(seed: int) -> bool:
     buffer = parallel_state.get_global_memory_buffer()
     if not isinstance(buffer, _CpuGlobalMemoryBuffer):
         buffer.__class__ = _CpuGlobalMemoryBuffer
+    _use_cpu_rng_states()
     return True
+
+
+def _use_cpu_rng_states() -> None:
+    """Megatron's activation checkpoint (``CheckpointFunction``, ``CheckpointWithoutOutput``) saves the RNG
+    states before the forward and restores them around the recompute, so dropout draws the same masks twice.
+    Its ``_get_all_rng_states`` calls ``torch.cuda.random.get_rng_state``, which a CPU build refuses, and
+    ``_set_all_rng_states`` queues a CUDA callback that never runs (tensor_parallel/random.py). On CPU the
+    only generator is the CPU one, so the pair becomes (CPU state, no CUDA state, the tracker's states)."""
+    tp_random = tensor_parallel.random
+    tp_random._get_all_rng_states = _get_cpu_rng_states
+    tp_random._set_all_rng_states = _set_cpu_rng_states
+
+
+def _get_cpu_rng_states():
+    return torch.get_rng_state(), None, tensor_parallel.random.get_cuda_rng_tracker().get_states()
+
+
+def _set_cpu_rng_states(cpu_rng_state, _cuda_rng_state, tracker_states) -> None:
+    torch.set_rng_state(cpu_rng_state)
+    tensor_parallel.random.get_cuda_rng_tracker().set_states(tracker_states)
 
 
 def make_rope_cpu_safe(model: torch.nn.Module) -> int:

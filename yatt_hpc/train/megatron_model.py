@@ -19,12 +19,14 @@ with gloo (see ``cpu_compat``) and on GPU with NCCL.
 from __future__ import annotations
 
 import datetime
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from yatt_hpc.config.schema import TrainConfig, recompute_layers_problem
 from yatt_hpc.train import cpu_compat
 from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
 from yatt_hpc.train.mcore import (
@@ -97,12 +99,52 @@ def destroy_model_parallel() -> None:
         torch.distributed.destroy_process_group()
 
 
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation as ``train.recompute``, ``train.recompute_method`` and
+    ``train.recompute_num_layers`` state it (``TrainConfig``'s docstrings say what each does)."""
+
+    mode: str = "none"
+    method: str = "uniform"
+    num_layers: int = 1
+
+    def transformer_fields(self, model_layers: int) -> dict[str, Any]:
+        """Megatron-Core's TransformerConfig fields for it (transformer_config.py, "activation recomputation"):
+        `selective` is recompute_granularity=selective with Megatron's default recompute_modules, the core
+        attention; `full` is recompute_granularity=full with the method and layer count as given."""
+        if self.mode == "none":
+            return {}
+        if self.mode == "selective":
+            return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+        problem = recompute_layers_problem(TrainConfig(recompute=self.mode, recompute_method=self.method,
+                                                       recompute_num_layers=self.num_layers), model_layers)
+        if problem:
+            raise ValueError(problem)
+        return {"recompute_granularity": "full", "recompute_method": self.method,
+                "recompute_num_layers": self.num_layers}
+
+    @classmethod
+    def of(cls, cfg: Any) -> Recompute:
+        """The recompute a `TrainConfig` asks for."""
+        return cls(cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers)
+
+
 def build_transformer_config(
-    arch: HFArch, tp_size: int, params_dtype: torch.dtype = torch.float32
+    arch: HFArch, tp_size: int, params_dtype: torch.dtype = torch.float32, recompute: Recompute = Recompute()
 ) -> TransformerConfig:
     """The ``TransformerConfig`` whose local-spec layers reproduce the HF blocks of ``arch``."""
     gpt2 = arch.family == "gpt2"
+    with warnings.catch_warnings():
+        # selective recompute's "core_attn may be Transformer Engine's fused attention" note: ours is the local
+        # spec's attention, whose scores and probabilities are what selective recompute is for
+        warnings.filterwarnings("ignore", message="If you are using transformer_engine", category=UserWarning)
+        return _transformer_config(arch, tp_size, params_dtype, recompute, gpt2)
+
+
+def _transformer_config(arch: HFArch, tp_size: int, params_dtype: torch.dtype, recompute: Recompute,
+                        gpt2: bool) -> TransformerConfig:
     return TransformerConfig(
+        **recompute.transformer_fields(arch.num_layers),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -160,15 +202,17 @@ def build_gpt_model(
     params_dtype: torch.dtype = torch.float32,
     parallel_output: bool = True,
     train_vision: bool = False,
+    recompute: Recompute = Recompute(),
 ) -> GPTModel:
     """This rank's TP shard of a GPTModel shaped like ``hf_config`` (randomly initialised).
 
     Needs :func:`initialize_model_parallel` first. With ``parallel_output=True`` the logits stay
     vocab-parallel ([B, T, padded_vocab / tp]), which is what ``logprobs`` expects. A vision-language
     config also builds its HF vision tower as ``model.visual``, trainable when ``train_vision``.
+    ``recompute`` takes effect in training mode only (Megatron checks ``self.training``).
     """
     arch = describe_hf_config(hf_config, tp_size)
-    config = build_transformer_config(arch, tp_size, params_dtype)
+    config = build_transformer_config(arch, tp_size, params_dtype, recompute)
     rope = arch.rope_theta is not None
     with cpu_compat.cuda_device_on_cpu():  # MultimodalRotaryEmbedding asks torch.cuda for a device
         model = _gpt_model(arch, config, parallel_output, rope)

@@ -6,9 +6,10 @@
     for name, tensor in policy.hf_weights(): ...                              # collective over the TP group
 
 The update runs `plan.epochs` passes; each pass one optimizer step per mini-batch
-(`train/step_plan.py`), each micro-batch's loss the policy loss of `train.loss_mode` aggregated by
-`train.loss_agg_mode` with the KL and entropy terms (`yatt_hpc/algos/`). Data parallelism is plain:
-each DP replica computes gradients on its own samples, every aggregate is already divided by the
+(`train/step_plan.py`), its samples in micro-batches of `train.micro_batch_size` samples or packed to
+`train.max_tokens_per_micro_batch` (`train/step_plan.py`), each micro-batch's loss the policy loss of
+`train.loss_mode` aggregated by `train.loss_agg_mode` with the KL and entropy terms (`yatt_hpc/algos/`).
+Data parallelism is plain: each DP replica computes gradients on its own samples, every aggregate is already divided by the
 mini-batch's global counts, so an all-reduce SUM over the DP group gives the exact gradient of the
 whole mini-batch's loss. (Megatron's DDP and optimizer hard-code CUDA; on GPU the same code runs
 with NCCL.)
@@ -49,7 +50,7 @@ from yatt_hpc.train.adamw import AdamW
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
 from yatt_hpc.train.sharded_optim import ShardedAdamW
-from yatt_hpc.train.step_plan import UpdatePlan, whole_batch_plan
+from yatt_hpc.train.step_plan import UpdatePlan, forward_tokens, micro_batches, whole_batch_plan
 from yatt_hpc.vision.processor import ImageProcessor
 
 
@@ -63,6 +64,7 @@ class UpdateStats:
     tokens: float
     logp_diff_max: float = 0.0  # max |trainer logp - rollout logp| before the update: weight-sync health
     optimizer_steps: int = 0
+    micro_batch_tokens_max: int = 0  # the largest micro-batch forward, in tokens (train/step_plan.py)
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,8 @@ class MegatronPolicy:
             raise ValueError(f"train.train_vision_tower=true but model.path={str(model_dir)!r} has no vision tower "
                              "(config.json has no vision_config); drop the setting or use a vision-language model")
         model = megatron_model.build_gpt_model(hf_config, tp_size, params_dtype=dtype,
-                                               train_vision=cfg.train_vision_tower)
+                                               train_vision=cfg.train_vision_tower,
+                                               recompute=megatron_model.Recompute.of(cfg))
         megatron_model.load_megatron_shard(model, shard)
         reference = None
         if cfg.kl_coef > 0:
@@ -164,8 +167,9 @@ class MegatronPolicy:
             for index, counts in zip(plan.minibatches, plan.totals):
                 terms = LossTerms(counts, plan.kl_coef, plan.norm_len)
                 self._zero_grads()
-                for start in range(0, len(index), self.cfg.micro_batch_size):
-                    micro = index[start:start + self.cfg.micro_batch_size]
+                for micro in micro_batches(batch, index, self.cfg):
+                    totals.micro_batch_tokens_max = max(totals.micro_batch_tokens_max, forward_tokens(
+                        batch.prompt_len[micro], batch.response_len[micro], batch.prompt_id[micro], self.share_prompts))
                     stats = self._micro_step(batch.select(micro), [advantages[i] for i in micro], plan.keep[micro],
                                              terms, pixels)
                     ACTIVITY.progress()
@@ -186,17 +190,17 @@ class MegatronPolicy:
     def reference_logprobs(self, batch: SampleBatch) -> list[np.ndarray]:
         """The frozen reference's log-probability of every response token, one array per sample (the KL
         in the reward); collective over the TP group, like a forward."""
-        out: list[np.ndarray] = []
+        out: list[np.ndarray | None] = [None] * len(batch)
         pixels = self._group_pixels(batch)
-        for start in range(0, len(batch), self.cfg.micro_batch_size):
-            mb = batch.select(np.arange(start, min(start + self.cfg.micro_batch_size, len(batch))))
+        for micro in micro_batches(batch, np.arange(len(batch)), self.cfg):
+            mb = batch.select(micro)
             if self.share_prompts:
                 layout = shared_prompt.build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"),
                                                     mb.prompt_id)
                 vision = None if self.images is None else \
                     update_images.shared_inputs(self.images, mb, layout, pixels, self.device)
                 logp, _ = self._shared_logprobs(self.reference, layout.to(self.device), vision)
-                out.extend(row[:n] for row, n in zip(logp.float().cpu().numpy(), mb.response_len))
+                rows = [row[:n] for row, n in zip(logp.float().cpu().numpy(), mb.response_len)]
             else:
                 tokens, _, _ = pack_micro_batch(mb)
                 tokens = tokens.to(self.device)
@@ -204,8 +208,10 @@ class MegatronPolicy:
                 logits = megatron_model.forward_logits(self.reference, inputs,
                                                        images=self.vision_inputs(mb, inputs, pixels))
                 logp, _ = token_logprobs_and_entropy(logits, targets, self.tp_group, self.vocab_size, self.temperature)
-                rows = logp.float().cpu().numpy()
-                out.extend(rows[i, p - 1:p - 1 + n] for i, (p, n) in enumerate(zip(mb.prompt_len, mb.response_len)))
+                padded = logp.float().cpu().numpy()
+                rows = [padded[i, p - 1:p - 1 + n] for i, (p, n) in enumerate(zip(mb.prompt_len, mb.response_len))]
+            for i, row in zip(micro, rows):
+                out[i] = row
             ACTIVITY.progress()
         return out
 
@@ -262,7 +268,8 @@ class MegatronPolicy:
         if self.reference is not None and terms.kl_coef:
             with torch.no_grad():
                 ref_logp, _ = self._shared_logprobs(self.reference, layout, vision)
-        return self._loss_backward(logp, entropy, ref_logp, old_logp, layout.mask, adv_tok, keep, terms)
+        with shared_prompt.active(layout):  # a recomputed layer (train.recompute) attends on the same stream
+            return self._loss_backward(logp, entropy, ref_logp, old_logp, layout.mask, adv_tok, keep, terms)
 
     def _shared_logprobs(self, model, layout: shared_prompt.SharedLayout,
                          vision: megatron_model.VisionInputs | None) -> tuple[torch.Tensor, torch.Tensor]:

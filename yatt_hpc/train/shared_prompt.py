@@ -181,11 +181,14 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 _ACTIVE: list[SharedLayout] = []
+STREAM_MASK_SHAPE = (1, 1, 1, 1)
+"""The attention mask `forward_shared` hands Megatron: it only passes it along (a padded forward's is [1, 1, T, T])."""
 
 
 @contextlib.contextmanager
 def active(layout: SharedLayout) -> Iterator[None]:
-    """Every `SharedPromptAttention` runs on `layout` inside the block."""
+    """Every `SharedPromptAttention` runs on `layout` inside the block. With activation recomputation
+    (`train.recompute`) the backward runs layers' forwards again, so it must run inside the block too."""
     _ACTIVE.append(layout)
     try:
         yield
@@ -199,7 +202,7 @@ def forward_shared(model, layout: SharedLayout, position_ids: torch.Tensor | Non
     A vision-language model passes its M-RoPE `position_ids` [3, 1, S] and the stream's embeddings with
     the image features in (`decoder_input`, `megatron_model.vision_decoder_input`)."""
     # the core attention reads the layout, not the mask; Megatron only passes this one along
-    unused_mask = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=layout.tokens.device)
+    unused_mask = torch.zeros(STREAM_MASK_SHAPE, dtype=torch.bool, device=layout.tokens.device)
     positions = layout.positions[None] if position_ids is None else position_ids
     with active(layout), _rotary_at(model, layout.positions):
         logits = model(layout.tokens[None], positions, unused_mask, decoder_input=decoder_input)
@@ -231,6 +234,10 @@ class SharedPromptAttention(DotProductAttention):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if not _ACTIVE:
+            if attention_mask is not None and tuple(attention_mask.shape) == STREAM_MASK_SHAPE \
+                    and query.shape[0] > 1:
+                raise RuntimeError("a shared-prompt stream reached the attention outside `shared_prompt.active`: "
+                                   "a recomputed layer's backward must run inside the block of its forward's layout")
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                    packed_seq_params)
         layout = _ACTIVE[-1]
