@@ -101,6 +101,19 @@ def quiet_libraries() -> None:
         hf_logging.disable_progress_bar()
 
 
+def tracker_settings(cfg, run_dir: Path, config_yaml: str, environ):
+    """What the leader's trackers need (`logging:`), the environment read here: W&B goes offline unless
+    WANDB_MODE says how it runs."""
+    from yatt_hpc.metrics.tracking import TrackerSettings, code_version, flat_params
+
+    lc = cfg.logging
+    params = {**flat_params(cfg.model_dump(mode="json", by_alias=True)), "code_version": code_version()}
+    return TrackerSettings(names=list(lc.trackers), run_dir=run_dir, project=lc.project or "yatt-hpc",
+                           run_name=lc.run_name, mlflow_tracking_uri=lc.mlflow_tracking_uri,
+                           wandb_mode=None if environ.get("WANDB_MODE") else "offline", config_yaml=config_yaml,
+                           params=params)
+
+
 def run_rank(group: str, run_dir: Path) -> str:
     from mpi4py import MPI
 
@@ -140,7 +153,8 @@ def run_rank(group: str, run_dir: Path) -> str:
         controller = build_controller(world, cfg, run_dir, stats, protocol)
         stop_flag.reclaim()  # before the block lifts: a signal that came meanwhile reaches our handler
     quiet_barrier(world.comm, "start: every controller built")  # engines are ready long before trainers
-    metrics = build_metrics(run_dir, is_writer=world.is_leader, tensorboard=cfg.logging.tensorboard)
+    metrics = build_metrics(run_dir, is_writer=world.is_leader,
+                            settings=tracker_settings(cfg, run_dir, config_yaml, os.environ) if world.is_leader else None)
     console = leader_console() if world.is_leader else None
     slurm_env = SlurmEnv.from_environ(os.environ)
     slurm = SlurmFacts(slurm_env.job_id, slurm_env.restart_count, job_end_time(os.environ))
