@@ -21,9 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from yatt_hpc.metrics.tables import table_of
-from yatt_hpc.metrics.tracking import BaseTracker, TrackerFailed, TrackerSettings, TrackerState, TrackerThread, \
-    build_trackers
-
+from yatt_hpc.metrics.tracking import BaseTracker, TrackerFailed, TrackerSettings, TrackerState, TrackerThread, build_trackers
 
 ENDS = {"complete": "complete", "already_complete": "complete", "stopped": "stopped", "requeue": "stopped"}
 """A run's outcome (the step loop's) as the trackers see it: complete, or stopped to be resumed."""
@@ -100,7 +98,8 @@ class RunMetrics(BaseMetrics):
         self.trackers = []
         for tracker in build_trackers(self.settings):
             thread = TrackerThread(tracker, self.failed)
-            thread.submit("open", lambda t, s=self.state.get(tracker.name): self._opened(t, resume_step, s))
+            saved = self.state.get(tracker.name)
+            thread.submit("open", lambda t, saved=saved: self._opened(t, resume_step, saved))
             self.trackers.append(thread)
 
     def _opened(self, tracker: BaseTracker, resume_step: int, saved: dict | None) -> None:

@@ -168,7 +168,7 @@ def run_rank(group: str, run_dir: Path) -> str:
         metrics.close()
     controller.close()  # engines' child processes (SGLang's scheduler) end with the run, not at interpreter exit
     protocol.close()
-    heavy = [m for m in ("torch", "torch._dynamo", "transformers", "megatron.core") if m in sys.modules]
+    heavy = [m for m in ("torch", "torch._dynamo", "transformers", "megatron.core", "wandb", "mlflow") if m in sys.modules]
     logging.getLogger(__name__).info("done: %s (loaded: %s)", outcome, ", ".join(heavy) or "no torch")
     quiet_barrier(world.comm, "end")
     return outcome
