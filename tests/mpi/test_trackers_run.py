@@ -2,7 +2,7 @@
 
 A run stopped in a step (its step 3 held until the stop: tests/programs/held_engine.py) and resumed logs
 every step once to MLflow (its own client) and to W&B (the offline runs' files, read as the W&B
-transaction log they are, with W&B's own record type), in the same run of each; TensorBoard holds the
+transaction log they are, with W&B's own record type: tests/trackers.py), in the same run of each; TensorBoard holds the
 sample tables (its own EventAccumulator). A run killed outright (SIGKILL of every process) after a
 step past its checkpoint redoes that step on resume, and the tracker still has it once. A tracker whose
 disk fills mid-run is reported once and dropped; the run and its checkpoints go on. Only the leader
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 from tests.conftest import REPO, kill_leftovers, kill_tree, leftover_pids, mpi_env, wait_for_file
 from tests.programs.held_engine import held_env, holding_marker, release
+from tests.trackers import wandb_history
 
 K = 4
 BASE = ["--set", f"train.steps={K}", "--set", "train.prompts_per_step=8", "--set", "rollout.samples_per_prompt=4",
@@ -79,44 +79,12 @@ def steps_of(history) -> list[int]:
     return sorted(m.step for m in history)
 
 
-# ------------------------------------------------------------------ W&B's offline files
-
-def wandb_records(path: Path) -> list:
-    """The records of a W&B offline run file (`run-<id>.wandb`): W&B's header (":W&B", magic, version), then
-    a LevelDB-style log of 32 KiB blocks, each record a 7-byte header (crc32, length, type: 1 full, 2 first,
-    3 middle, 4 last) and its bytes; each whole record a `wandb_internal_pb2.Record`."""
-    from wandb.proto import wandb_internal_pb2
-
-    data, block, records, parts = path.read_bytes(), 32768, [], []
-    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
-    pos = 7
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0:
-            break
-        parts.append(data[pos + 7:pos + 7 + length])
-        pos += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(b"".join(parts))
-            records.append(record)
-            parts = []
-    return records
-
-
-def wandb_history(run_dir) -> tuple[str, list[list[dict]]]:
+def wandb_runs(run_dir) -> tuple[str, list[list[dict]]]:
     """(run id, per offline run of it in time order: its history rows {key: value}) from RUN_DIR/wandb."""
     run_id = json.loads((run_dir / "trackers.json").read_text())["wandb"]["run_id"]
     runs = []
     for path in sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")):
-        rows = []
-        for record in wandb_records(path):
-            if record.WhichOneof("record_type") == "history":
-                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item})
-        runs.append(rows)
+        runs.append(wandb_history(path))
     return run_id, runs
 
 
@@ -125,7 +93,8 @@ def wandb_history(run_dir) -> tuple[str, list[list[dict]]]:
 def test_a_stopped_and_resumed_run_logs_every_step_once_in_one_mlflow_and_one_wandb_run(mpirun, tmp_path,
                                                                                       alive_before):
     run_dir = tmp_path / "run"
-    extra = [*EVAL, "--set", "logging.trackers=[tensorboard,wandb,mlflow]", "--set", "checkpoint.interval=0",
+    extra = [*EVAL, "--set", "logging.trackers=[tensorboard,wandb,mlflow]", "--set", "logging.samples_per_replica=3",
+             "--set", "checkpoint.interval=0",
              "--set", "checkpoint.stop_grace_s=1"]
     proc = start(run_dir, extra, tmp_path / "held", until="stopped", at_version=2)  # step 3 holds until stopped
     wait_for_file(holding_marker(tmp_path / "held"), alive=lambda: proc.poll() is None)
@@ -150,14 +119,16 @@ def test_a_stopped_and_resumed_run_logs_every_step_once_in_one_mlflow_and_one_wa
     assert tables == {f"samples/train/step-{s:06d}.json" for s in range(1, K + 1)}
     table = json.loads(Path(client.download_artifacts(run.info.run_id, "samples/train/step-000004.json",
                                                       str(tmp_path / "dl"))).read_text())
-    assert len(table["data"]) == 2 * 2, "2 rows from each of the 2 trainer replicas"
+    assert len(table["data"]) == 3 * 2, "logging.samples_per_replica=3 rows from each of the 2 trainer replicas"
+    assert sorted(row[table["columns"].index("replica")] for row in table["data"]) == [0, 0, 0, 1, 1, 1]
     assert {"prompt", "response", "reward", "term/rule", "term/genrm", "verdict"} <= set(table["columns"])
 
-    run_id, attempts = wandb_history(run_dir)
+    run_id, attempts = wandb_runs(run_dir)
     assert len(attempts) == 2, "one offline run per attempt, both with the run's id"
     logged = [row["_step"] for rows in attempts for row in rows if "reward/mean" in row]
     assert sorted(logged) == list(range(1, K + 1)), f"W&B history steps {logged}"
-    assert any("samples/train" in row for rows in attempts for row in rows), "no sample table in W&B's history"
+    tables = [row["_step"] for rows in attempts for row in rows if row.get("samples/train/_type") == "table-file"]
+    assert sorted(tables) == list(range(1, K + 1)), f"W&B sample tables at steps {tables}"
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -61,3 +61,4 @@ class WandbTracker(BaseTracker):
             self.run.mark_preempting()
         self.run.finish(exit_code=0 if outcome is not None else 1)
         self.run = None
+        self.wandb.teardown()  # waits for W&B's service process to have written the run's files

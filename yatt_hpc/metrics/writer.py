@@ -81,13 +81,17 @@ class JsonLines:
 class RunMetrics(BaseMetrics):
     """RUN_DIR/metrics.jsonl, RUN_DIR/samples.jsonl, and the trackers of `settings`."""
 
-    def __init__(self, run_dir: Path, settings: TrackerSettings | None = None, failed=None) -> None:
+    def __init__(self, run_dir: Path, settings: TrackerSettings | None = None, failed=None,
+                 build=build_trackers) -> None:
         self.run_dir = Path(run_dir)
         self.settings = settings or TrackerSettings(names=[], run_dir=self.run_dir)
         self.steps = JsonLines(self.run_dir / "metrics.jsonl")
         self.samples = JsonLines(self.run_dir / "samples.jsonl")
         self.state = TrackerState(self.run_dir)
+        # what earlier attempts sent each tracker (read before this attempt sends anything)
+        self.sent_before = {name: self.state.logged_through(name) for name in self.settings.names}
         self.failed = failed or TrackerFailed()
+        self.build = build  # settings -> trackers (tests hand in their own)
         self.trackers: list[TrackerThread] | None = None  # opened at resume_at (or the first log)
         self.last_step = -1
         self.closed = False
@@ -96,7 +100,7 @@ class RunMetrics(BaseMetrics):
 
     def _open(self, resume_step: int) -> None:
         self.trackers = []
-        for tracker in build_trackers(self.settings):
+        for tracker in self.build(self.settings):
             thread = TrackerThread(tracker, self.failed)
             saved = self.state.get(tracker.name)
             thread.submit("open", lambda t, saved=saved: self._opened(t, resume_step, saved))
@@ -108,7 +112,7 @@ class RunMetrics(BaseMetrics):
 
     def _due(self, thread: TrackerThread, step: int) -> bool:
         """Whether `step` is new to this tracker: a stopped attempt may have sent the step being redone."""
-        return thread.tracker.purges_on_resume or step > self.state.logged_through(thread.name)
+        return thread.tracker.purges_on_resume or step > self.sent_before.get(thread.name, -1)
 
     def _each(self, what: str, step: int, fn, record: bool = False) -> None:
         if self.trackers is None:
