@@ -242,3 +242,22 @@ def test_mlflow_logs_to_the_tracking_uri_given_and_reopens_the_same_run(tmp_path
     assert client.get_experiment(run.info.experiment_id).name == "team-rl"
     assert run.data.params == {"train.steps": "2", "code_version": "v-test"}
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "val/x/pass_4")] == [(1, 0.5), (2, 0.75)]
+
+
+def test_a_resume_sends_a_tracker_the_checkpointed_steps_it_had_not_taken_when_the_attempt_was_killed(tmp_path):
+    first = writer(tmp_path, [Recording("mlflow")])
+    first.resume_at(-1)
+    for step in (1, 2, 3):
+        first.log(step, {"reward/mean": step / 10})
+        first.log_samples(step, "train", [{"step": step, "table": "train", "prompt": "p"}])
+    first.close("stopped")
+    state = json.loads((tmp_path / "trackers.json").read_text())
+    state["mlflow"]["logged_through"] = 1  # a kill while steps 2 and 3 still waited in the tracker's queue
+    (tmp_path / "trackers.json").write_text(json.dumps(state))
+
+    remote = Recording("mlflow")
+    again = writer(tmp_path, [remote])
+    again.resume_at(3)  # checkpoint 3: the resume does not redo steps 2 and 3
+    again.log(4, {"reward/mean": 0.4})
+    again.close("complete")
+    assert remote.steps == [2, 3, 4] and [t[0] for t in remote.tables] == [2, 3]

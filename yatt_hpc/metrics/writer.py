@@ -58,6 +58,16 @@ class JsonLines:
         self._file.flush()
         os.fsync(self._file.fileno())
 
+    def read(self) -> list[dict]:
+        """Every whole line (a line cut by a crash is left out)."""
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
     def keep_through(self, step: int) -> None:
         """Drop the lines of steps after `step` (and lines cut by a crash)."""
         self._file.close()
@@ -129,6 +139,30 @@ class RunMetrics(BaseMetrics):
         self.samples.keep_through(step)
         if self.trackers is None:
             self._open(step)
+        self._catch_up(step)
+
+    def _catch_up(self, step: int) -> None:
+        """Send a tracker the steps up to the checkpoint that it had not taken when the last attempt ended
+        (still queued at a kill): the resume will not redo them, and metrics.jsonl holds them."""
+        behind = [t for t in self.trackers if not t.tracker.purges_on_resume and self.sent_before.get(t.name, -1) < step]
+        if not behind:
+            return
+        start = min(self.sent_before.get(t.name, -1) for t in behind)
+        tables = [r for r in self.samples.read() if start < r["step"] <= step]
+        for row in self.steps.read():
+            if not start < row["step"] <= step:
+                continue
+            s, scalars = row["step"], {k: v for k, v in row.items() if k != "step"}
+            for table in (t for t in tables if t["step"] == s):
+                columns, rows = table_of(table["rows"])
+                for thread in behind:
+                    if s > self.sent_before.get(thread.name, -1):
+                        thread.submit(f"sample table {table['table']} of step {s}",
+                                      lambda t, c=columns, r=rows, s=s, n=table["table"]: t.log_table(s, n, c, r))
+            for thread in behind:
+                if s > self.sent_before.get(thread.name, -1):
+                    thread.submit(f"step {s}", lambda t, s=s, v=scalars: t.log(s, v),
+                                  lambda name=thread.name, s=s: self.state.update(name, logged_through=s))
 
     def log(self, step: int, scalars: Mapping[str, float]) -> None:
         clean = {k: float(v) for k, v in sorted(scalars.items()) if v is not None and math.isfinite(float(v))}
