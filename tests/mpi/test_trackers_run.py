@@ -167,7 +167,7 @@ def test_a_step_logged_past_the_checkpoint_of_a_killed_run_reaches_mlflow_once(m
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
     assert steps_of(client.get_metric_history(run.info.run_id, "reward/mean")) == list(range(1, K + 1))
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == \
-        list(range(1, K + 1)), "metrics.jsonl redoes step 3 in place"
+        list(range(K + 1)), "metrics.jsonl redoes step 3 in place (step 0: the validation before training)"
 
 
 def test_a_tracker_whose_disk_fills_mid_run_is_reported_once_and_training_and_checkpoints_go_on(
@@ -189,7 +189,7 @@ def test_a_tracker_whose_disk_fills_mid_run_is_reported_once_and_training_and_ch
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     assert out.count("the mlflow tracker failed") == 1, out[-3000:]
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(range(1, K + 1))
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(range(K + 1))
     committed = sorted(int(p.parent.name.split("-")[1]) for p in (run_dir / "checkpoints").glob("step-*/COMMITTED"))
     assert committed == [2, 4], "the checkpoint schedule is untouched"
     (store / "filler").unlink()

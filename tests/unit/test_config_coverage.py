@@ -209,7 +209,8 @@ EFFECT: dict[str, str] = {
     "logging.project": f"{TRACKERS}::test_wandb_runs_offline_in_the_run_dir_under_the_configured_project_and_name",
     "logging.run_name": f"{TRACKERS}::test_mlflow_logs_to_the_tracking_uri_given_and_reopens_the_same_run",
     "logging.mlflow_tracking_uri": f"{TRACKERS}::test_mlflow_logs_to_the_tracking_uri_given_and_reopens_the_same_run",
-    "logging.samples_every": f"{TRACKERS_RUN}::test_a_stopped_and_resumed_run_logs_every_step_once_in_one_mlflow_and_one_wandb_run",
+    "logging.samples_every": f"{TRACKERS_RUN}::"
+                             "test_a_stopped_and_resumed_run_logs_every_step_once_in_one_mlflow_and_one_wandb_run",
     "logging.samples_per_replica": f"{TRACKERS_RUN}::"
                                    "test_a_stopped_and_resumed_run_logs_every_step_once_in_one_mlflow_and_one_wandb_run",
     "logging.level": f"{RUN}::test_logging_level_warning_hides_the_info_lines_of_every_rank",

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from yatt_hpc.metrics.tracking import BaseTracker, TrackerSettings
+from yatt_hpc.metrics.tracking import BaseTracker, TrackerSettings, let_in
 
 BATCH = 100  # params per log_batch call (MLflow's limit); metrics go 1000 at a time
 STATUS = {"complete": "FINISHED", "stopped": "KILLED", None: "FAILED"}
@@ -48,6 +48,7 @@ class MlflowTracker(BaseTracker):
         self.run_id: str | None = None
 
     def open(self, resume_step: int, saved: dict | None) -> dict:
+        let_in("mlflow")
         from mlflow.tracking import MlflowClient
 
         # MLflow prints its own INFO lines to stderr; the rank's log is where a leader's notes go

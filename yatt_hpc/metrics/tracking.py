@@ -156,6 +156,25 @@ class TrackerThread:
             log.warning("the %s tracker still had calls queued %.0fs after the run ended; left behind", self.name, wait_s)
 
 
+HIDDEN = ("wandb", "mlflow")
+
+
+def hide_tracker_libraries() -> None:
+    """Keep W&B and MLflow out of this process until a tracker opens (`let_in`). Megatron-Core imports
+    wandb whenever it is installed (its inference context, its timers): ~1.2 s on every trainer rank, and
+    a library only the leader's tracker may load. `sys.modules[name] = None` is Python's own "cannot be
+    imported": Megatron's `try: import wandb` then takes its no-W&B path. Before any library is imported."""
+    for name in HIDDEN:
+        if name not in sys.modules:
+            sys.modules[name] = None
+
+
+def let_in(name: str) -> None:
+    """Undo `hide_tracker_libraries` for one library, on the leader, as its tracker opens."""
+    if name in sys.modules and sys.modules[name] is None:
+        del sys.modules[name]
+
+
 def build_trackers(settings: TrackerSettings) -> list[BaseTracker]:
     """The configured trackers, in config order (their libraries are imported when they open)."""
     out: list[BaseTracker] = []

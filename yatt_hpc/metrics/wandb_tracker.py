@@ -16,7 +16,7 @@ import string
 from collections.abc import Mapping
 from pathlib import Path
 
-from yatt_hpc.metrics.tracking import BaseTracker, TrackerSettings
+from yatt_hpc.metrics.tracking import BaseTracker, TrackerSettings, let_in
 
 
 def new_run_id() -> str:
@@ -33,6 +33,7 @@ class WandbTracker(BaseTracker):
         self.wandb = None
 
     def open(self, resume_step: int, saved: dict | None) -> dict:
+        let_in("wandb")
         import wandb
 
         self.wandb = wandb

@@ -125,6 +125,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     from yatt_hpc.launch.requeue import job_end_time
     from yatt_hpc.launch.slurm_env import SlurmEnv
     from yatt_hpc.metrics import build_metrics
+    from yatt_hpc.metrics.tracking import hide_tracker_libraries
     from yatt_hpc.placement import plan
     from yatt_hpc.roles.protocol import StepProtocol, check_requested
     from yatt_hpc.runtime.allocator import keep_freed_memory
@@ -135,6 +136,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     from yatt_hpc.runtime.signals import StopFlag
 
     stop_flag = StopFlag.install()  # first: a signal during the slow start-up must not kill us mid-write
+    hide_tracker_libraries()  # before Megatron loads: only the leader's trackers import W&B or MLflow
     logging.getLogger(__name__).info("%s", keep_freed_memory())  # before the first big allocation
     quiet_libraries()
     config_yaml = (run_dir / "config.yaml").read_text()
@@ -168,7 +170,8 @@ def run_rank(group: str, run_dir: Path) -> str:
         metrics.close()
     controller.close()  # engines' child processes (SGLang's scheduler) end with the run, not at interpreter exit
     protocol.close()
-    heavy = [m for m in ("torch", "torch._dynamo", "transformers", "megatron.core", "wandb", "mlflow") if m in sys.modules]
+    heavy = [m for m in ("torch", "torch._dynamo", "transformers", "megatron.core", "wandb", "mlflow")
+             if sys.modules.get(m) is not None]  # None: kept out (hide_tracker_libraries)
     logging.getLogger(__name__).info("done: %s (loaded: %s)", outcome, ", ".join(heavy) or "no torch")
     quiet_barrier(world.comm, "end")
     return outcome
