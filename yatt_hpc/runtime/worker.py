@@ -136,11 +136,11 @@ def run_rank(group: str, run_dir: Path) -> str:
     from yatt_hpc.runtime.signals import StopFlag
 
     stop_flag = StopFlag.install()  # first: a signal during the slow start-up must not kill us mid-write
-    hide_tracker_libraries()  # before Megatron loads: only the leader's trackers import W&B or MLflow
     logging.getLogger(__name__).info("%s", keep_freed_memory())  # before the first big allocation
     quiet_libraries()
     config_yaml = (run_dir / "config.yaml").read_text()
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_config(run_dir / "config.yaml")  # checks that the trackers' libraries are installed: then
+    hide_tracker_libraries()  # keeps them out until the leader's trackers open (Megatron would load wandb)
     logging.getLogger().setLevel(cfg.logging.level)  # INFO until the config is read
     # groups finish their imports seconds apart: the first ones sleep (not spin) until all are here
     quiet_barrier(MPI.COMM_WORLD, "start: every rank imported")
