@@ -220,8 +220,10 @@ def test_wandb_runs_offline_in_the_run_dir_under_the_configured_project_and_name
     assert content["columns"] == ["prompt", "reward"] and content["data"] == [["2+2", 1.0]]
 
 
-def test_mlflow_logs_to_the_tracking_uri_given_and_reopens_the_same_run(tmp_path):
+def test_mlflow_logs_to_the_tracking_uri_given_and_reopens_the_same_run(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)  # a store given by URI keeps MLflow's default artifact root: ./mlruns
 
     from yatt_hpc.metrics.mlflow_tracker import MlflowTracker
 
@@ -236,6 +238,7 @@ def test_mlflow_logs_to_the_tracking_uri_given_and_reopens_the_same_run(tmp_path
     again.log(2, {"val/x/pass@4": 0.75})
     again.close("complete")
     assert not (tmp_path / "mlflow").exists(), "the URI given, not the store in the run directory"
+    assert (tmp_path / "mlruns").is_dir(), "artifacts where MLflow puts them for that store"
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(entry["run_id"])
     assert run.info.run_name == "grpo-7" and run.info.status == "FINISHED"
