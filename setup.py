@@ -3,6 +3,7 @@
     make install          # .venv with the CPU torch build and the [dev] extra, at constraints/lock.txt
     pip install -e '.[dev]'
     pip install -e '.[gpu]'   # adds SGLang (CUDA machines only)
+    pip install -e '.[trackers]'  # adds Weights & Biases and MLflow (logging.trackers)
 
 The ranges here are for library users. ``make install`` installs the exact versions of
 ``constraints/lock.txt`` (``uv pip compile`` output; ``make lock`` refreshes it), torch first and pinned
@@ -40,7 +41,11 @@ setup(
         "math-verify>=0.9,<1",  # the `math` reward term (HF's answer extraction + equivalence; latex2sympy2_extended)
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5", "uv>=0.5"],  # uv: `make lock`
+        # experiment trackers beside TensorBoard (logging.trackers): W&B, and MLflow's client with its SQLite store
+        "trackers": ["wandb>=0.19", "mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic>=1.13"],
+        # uv: `make lock`; the trackers again: their tests run the real libraries (tests/unit/test_lock.py checks)
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5", "uv>=0.5",
+                "wandb>=0.19", "mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic>=1.13"],
         "gpu": ["sglang>=0.5.3", "torch_memory_saver"],  # 0.5.3: sampling_seed, weights CPU backup
     },
     entry_points={"console_scripts": ["yatt-hpc=yatt_hpc.cli:main"]},

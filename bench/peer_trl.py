@@ -129,7 +129,7 @@ def run_yatt(model: str, shape: dict, root: Path, tag: str) -> dict:
     # passes its 128 in one (per_device_train_batch_size=128): the demo config's 32 is a memory setting
     sets = {"reward.mode": "rule_only", "model.path": model, "train.steps": shape["steps"], "train.micro_batch_size": 64,
             "rollout.max_new_tokens": shape["max_new_tokens"], "checkpoint.interval": 0,
-            "logging.tensorboard": False, "logging.progress": False}
+            "logging.trackers": [], "logging.progress": False}
     argv = [str(Path(PYTHON).parent / "yatt-hpc"), "run", CONFIG, "--run-dir", str(run_dir)]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]

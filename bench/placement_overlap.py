@@ -80,7 +80,7 @@ def run_once(mode: str, chunk: int | str, models: dict, args, root: Path, i: int
     run_dir = root / f"{mode}-{chunk}-{i}"
     sets = {"model.path": models["policy"], "reward.genrm_path": models["judge"], "train.steps": args.steps,
             "rollout.max_new_tokens": args.max_new_tokens, "placement.mode": mode, "checkpoint.interval": 0,
-            "logging.tensorboard": False, "logging.progress": False, "train.kl_coef": 0.0}
+            "logging.trackers": [], "logging.progress": False, "train.kl_coef": 0.0}
     sets.update(dict(kv.split("=", 1) for kv in (args.partial_set if mode != "colocate" else [])))
     if chunk in ("finished_groups", "finished_samples"):  # the whole wave in one engine call, each
         sets["rollout.streaming"] = chunk                     # group (sample) streamed when it finishes

@@ -34,7 +34,7 @@ from pathlib import Path
 from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
 
 YATT = str(Path(PYTHON).parent / "yatt-hpc")
-SETS = ["--set", "train.steps=100000", "--set", "checkpoint.interval=0", "--set", "logging.tensorboard=false",
+SETS = ["--set", "train.steps=100000", "--set", "checkpoint.interval=0", "--set", "logging.trackers=[]",
         "--set", "logging.progress=false"]
 
 

@@ -135,7 +135,7 @@ def tb_cmd(run_dir: Path, port: int, host: str) -> None:
 
     logdir = run_dir / "tb"
     if not logdir.is_dir():
-        raise UserError(f"{logdir} does not exist: RUN_DIR must be a yatt-hpc run directory with logging.tensorboard on")
+        raise UserError(f"{logdir} does not exist: RUN_DIR must be a yatt-hpc run directory with tensorboard in logging.trackers")
     exe = Path(sys.executable).with_name("tensorboard")
     click.echo(f"TensorBoard for {logdir}: http://{host}:{port}/")
     sys.exit(subprocess.call([str(exe), "--logdir", str(logdir), "--port", str(port), "--host", host]))

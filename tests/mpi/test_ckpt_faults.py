@@ -35,7 +35,7 @@ CONFIG = str(REPO / "configs/demo_cpu.yaml")
 PROMPTS_PER_STEP = 8
 FAST = ["--set", f"train.prompts_per_step={PROMPTS_PER_STEP}", "--set", "rollout.samples_per_prompt=4",
         "--set", "checkpoint.interval=1", "--set", "checkpoint.keep_last=2", "--set", "logging.progress=false",
-        "--set", "logging.tensorboard=false"]
+        "--set", "logging.trackers=[]"]
 
 
 def yatt_run(run_dir: Path, steps: int) -> subprocess.CompletedProcess:

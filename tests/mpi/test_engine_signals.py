@@ -35,7 +35,7 @@ from yatt_hpc.rollout.engine import TEST_WRAPPER_ENV
 
 STEPS, ROLLOUT_RANK, ENGINE_RANKS = 4, 2, [2, 3]  # the demo: trainers 0-1, rollout 2, GenRM 3 (its judge engine)
 ARGS = ["--set", f"train.steps={STEPS}", "--set", "train.prompts_per_step=8", "--set", "rollout.samples_per_prompt=4",
-        "--set", "checkpoint.interval=0", "--set", "logging.progress=false", "--set", "logging.tensorboard=false"]
+        "--set", "checkpoint.interval=0", "--set", "logging.progress=false", "--set", "logging.trackers=[]"]
 WRAPPER = "tests.programs.spawning_engine:SpawningEngine"
 STOP_NAMES = {"SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"}
 

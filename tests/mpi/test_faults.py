@@ -34,7 +34,7 @@ from yatt_hpc.ckpt.loader import find_latest
 STEPS, PROMPTS = 6, 8
 ARGS = ["--set", f"train.steps={STEPS}", "--set", f"train.prompts_per_step={PROMPTS}",
         "--set", "rollout.samples_per_prompt=4", "--set", "checkpoint.interval=1", "--set", "logging.progress=false",
-        "--set", "logging.tensorboard=false"]
+        "--set", "logging.trackers=[]"]
 FAST_HEALTH = ["--set", "health.heartbeat_s=1", "--set", "health.stall_timeout_s=8"]
 RANK_OF = {"trainer": 1, "rollout": 2, "genrm": 3}  # the demo's 4 ranks; rank 0 is the leader
 BOUND_S = 60

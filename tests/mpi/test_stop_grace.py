@@ -34,7 +34,7 @@ from yatt_hpc.metrics.writer import step_rows
 K, PROMPTS, GRACE = 2, 64, 1.0
 ARGS = ["--set", f"train.steps={K}", "--set", f"train.prompts_per_step={PROMPTS}", "--set", "rollout.samples_per_prompt=16",
         "--set", "checkpoint.interval=0", "--set", f"checkpoint.stop_grace_s={GRACE}", "--set", "logging.progress=false",
-        "--set", "logging.tensorboard=false"]
+        "--set", "logging.trackers=[]"]
 
 
 PARTIAL = ["--set", "placement.mode=partial", "--set", "placement.dynamic_split.enabled=true",

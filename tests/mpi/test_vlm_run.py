@@ -42,7 +42,7 @@ def cmd(root, run_dir):
             "reward.mode": "rm_with_rule", "reward.genrm_path": root / "judge", "reward.verdict_max_tokens": 3,
             "data.images_key": "images", "train.steps": K, "train.prompts_per_step": PROMPTS,
             "rollout.samples_per_prompt": N, "checkpoint.interval": 2, "logging.progress": "false",
-            "logging.tensorboard": "false", "train.balance": "none"}  # no group moves: exact byte counts
+            "logging.trackers": "[]", "train.balance": "none"}  # no group moves: exact byte counts
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     return [sys.executable, "-m", "yatt_hpc.cli", "run", CONFIG, "--run-dir", str(run_dir), *args]
 

@@ -26,7 +26,7 @@ from yatt_hpc.launch.jobs import top_states, wait_job
 DEMO = str(REPO / "configs/demo_cpu.yaml")
 STEPS = 6  # two faults, each after a step its job committed with steps still to run, and steps left for the last job
 ARGS = [f"train.steps={STEPS}", "train.prompts_per_step=8", "rollout.samples_per_prompt=4", "checkpoint.interval=1",
-        "logging.progress=false", "logging.tensorboard=false", "slurm.env.OMPI_MCA_btl=self,tcp", "slurm.time=00:20:00",
+        "logging.progress=false", "logging.trackers=[]", "slurm.env.OMPI_MCA_btl=self,tcp", "slurm.time=00:20:00",
         "health.heartbeat_s=1", "health.stall_timeout_s=8"]
 RANK_OF = {"trainer": 1, "rollout": 2, "genrm": 3}
 

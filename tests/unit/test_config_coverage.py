@@ -33,6 +33,8 @@ RUN = "tests/mpi/test_config_effects_run.py"
 RECIPES = "tests/unit/test_recipe_effects.py"  # the recipe settings of train: and reward:, and eval's sampling
 RECIPE_RUN = "tests/mpi/test_recipes_run.py"  # runs of each recipe family, and validation
 RECOMPUTE = "tests/unit/test_recompute.py"  # activation recomputation: bytes kept, gradients, refusals
+TRACKERS = "tests/unit/test_trackers.py"  # trackers: W&B and MLflow given names and stores, refusals
+TRACKERS_RUN = "tests/mpi/test_trackers_run.py"  # trackers read back after real runs, stopped and resumed
 
 EFFECT: dict[str, str] = {
     # ---------------------------------------------------------------- model
@@ -210,7 +212,14 @@ EFFECT: dict[str, str] = {
     "slurm.extra_flags": "tests/unit/test_sbatch_render.py::test_disjoint_is_a_heterogeneous_job_with_one_component_per_group",
     "slurm.env": "tests/unit/test_sbatch_render.py::test_rendered_script_runs_only_what_we_meant",
     # ---------------------------------------------------------------- logging
-    "logging.tensorboard": "tests/mpi/test_grpo_run.py::test_every_tag_is_written_to_tensorboard",  # default true
+    "logging.trackers": f"{TRACKERS_RUN}::test_a_stopped_and_resumed_run_logs_every_step_once_in_one_mlflow_and_one_wandb_run",
+    "logging.project": f"{TRACKERS}::test_wandb_runs_offline_in_the_run_dir_under_the_configured_project_and_name",
+    "logging.run_name": f"{TRACKERS}::test_mlflow_logs_to_the_tracking_uri_given_and_reopens_the_same_run",
+    "logging.mlflow_tracking_uri": f"{TRACKERS}::test_mlflow_logs_to_the_tracking_uri_given_and_reopens_the_same_run",
+    "logging.samples_every": f"{TRACKERS_RUN}::"
+                             "test_a_stopped_and_resumed_run_logs_every_step_once_in_one_mlflow_and_one_wandb_run",
+    "logging.samples_per_replica": f"{TRACKERS_RUN}::"
+                                   "test_a_stopped_and_resumed_run_logs_every_step_once_in_one_mlflow_and_one_wandb_run",
     "logging.level": f"{RUN}::test_logging_level_warning_hides_the_info_lines_of_every_rank",
     "logging.progress": f"{RUN}::test_logging_progress_prints_the_leaders_step_line",
 }
@@ -283,6 +292,11 @@ REFUSED: dict[str, str] = {
     "reward.judge_pattern": TERMS,
     "reward.judge_score_min": TERMS,
     "reward.judge_score_max": TERMS,
+    "logging.trackers": f"{TRACKERS}::test_a_tracker_whose_library_is_missing_is_refused_at_load_with_the_install_command",
+    "logging.project": f"{TRACKERS}::test_refused_logging_settings_name_the_field_the_value_and_the_fix",
+    "logging.run_name": f"{TRACKERS}::test_refused_logging_settings_name_the_field_the_value_and_the_fix",
+    "logging.mlflow_tracking_uri": f"{TRACKERS}::test_refused_logging_settings_name_the_field_the_value_and_the_fix",
+    "logging.samples_per_replica": f"{TRACKERS}::test_refused_logging_settings_name_the_field_the_value_and_the_fix",
 }
 
 # Entries whose test file names neither the field nor its leaf; each with why the test still shows it.

@@ -185,6 +185,12 @@ def check_command(argv: list[str]) -> None:
             assert all((REPO / a).exists() for a in args[2:] if not a.startswith("-")), f"{argv}: no such tests"
         else:
             assert (REPO / args[0]).exists(), f"{' '.join(argv)}: no {args[0]}"
+    elif prog == "pip" and args[:1] == ["install"]:  # an extra of setup.py: `pip install 'yatt-hpc[trackers]'`
+        for spec in args[1:]:
+            extra = re.fullmatch(r"yatt-hpc\[(\w+)\]", spec)
+            assert extra and f'"{extra.group(1)}":' in (REPO / "setup.py").read_text(), f"{argv}: no such extra"
+    elif prog in ("wandb", "mlflow"):  # a tracker's own command, installed with the trackers extra
+        assert Path(sys.executable).with_name(prog).exists(), f"{' '.join(argv)}: {prog} is not installed"
     else:
         raise AssertionError(f"a shown command this test cannot check: {' '.join(argv)} (teach check_command)")
 

@@ -41,7 +41,7 @@ def test_demo_source_serves_the_demo_task_rows():
     row = source.row(5)
     expected = demo_row(source.seed, 5, "heldout")
     assert row == {"id": 5, "prompt": expected["prompt"], "messages": None, "question": expected["prompt"],
-                   "answer": expected["answer"], "metadata": {}, "images": [], "origin": "demo:heldout#5"}
+                   "answer": expected["answer"], "metadata": {}, "images": [], "image_names": [], "origin": "demo:heldout#5"}
     with pytest.raises(IndexError):
         source.row(32)
 
@@ -79,9 +79,9 @@ def test_jsonl_source_reads_rows_skipping_blank_lines(tmp_path):
     source = JsonlSource(path)
     assert len(source) == 2
     assert source.row(0) == {"id": 0, "prompt": "2+2=", "messages": None, "question": "2+2=", "answer": "4",
-                             "metadata": {}, "images": [], "origin": f"{path}:1"}
+                             "metadata": {}, "images": [], "image_names": [], "origin": f"{path}:1"}
     assert source.row(1) == {"id": 77, "prompt": "hi", "messages": None, "question": "hi", "answer": "yo",
-                             "metadata": {"id": 77}, "images": [], "origin": f"{path}:3"}
+                             "metadata": {"id": 77}, "images": [], "image_names": [], "origin": f"{path}:3"}
 
 
 def test_jsonl_keys_can_be_renamed(tmp_path):

@@ -8,7 +8,7 @@ generated from them. Cross-field rules of a section live in that section's singl
 rules that span sections live in `RunConfig`. Derived values (ranks, layouts) are not stored
 here: they belong to the placement plan (`yatt_hpc.placement`). The larger sections have modules
 of their own (`config/reward.py`, `config/placement.py`, `config/cluster.py` for `slurm:` and
-`health:`); `RunConfig` gathers every section here.
+`health:`, `config/tracking.py` for `logging:`); `RunConfig` gathers every section here.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from yatt_hpc.config.cluster import HealthConfig, SlurmConfig
 from yatt_hpc.config.placement import PlacementConfig
 from yatt_hpc.config.reward import RewardConfig, RewardTerm  # noqa: F401  (the reward section; re-exported)
 from yatt_hpc.config.section import Section
+from yatt_hpc.config.tracking import LoggingConfig
 
 
 class ModelConfig(Section):
@@ -485,17 +486,6 @@ class EvalConfig(Section):
 def eval_name(source: str) -> str:
     """The metric name of an eval source: `val/<this>/...`."""
     return re.sub(r"[^A-Za-z0-9_-]", "_", source.rstrip("/").split("/")[-1] if "/" in source else source)
-
-
-class LoggingConfig(Section):
-    """Metrics and logs."""
-
-    tensorboard: bool = True
-    """Write TensorBoard event files under RUN_DIR/tb."""
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    """Log level of the per-rank logs under RUN_DIR/logs."""
-    progress: bool = True
-    """Show a rich progress line on the leader."""
 
 
 SECTIONS = ("model", "data", "train", "rollout", "reward", "eval", "placement", "checkpoint", "health", "slurm",

@@ -44,6 +44,8 @@ class PromptRow(TypedDict):
     `metadata`: the row's other columns (JSON values), for reward functions.
     `images`: the row's images, encoded (PNG, JPEG... bytes, checked from their header), in the row's order; []
     for a text-only row or source (data.images_key unset).
+    `image_names`: each image's file path as the row gave it, or `<origin> image k` for bytes given inline (what a
+    sample table shows).
     `origin`: `path:line`, `path row N` or `demo:split#index`, for error messages."""
 
     id: int
@@ -53,6 +55,7 @@ class PromptRow(TypedDict):
     answer: str
     metadata: dict
     images: list[bytes]
+    image_names: list[str]
     origin: str
 
 
@@ -109,7 +112,7 @@ class RowSchema:
         return PromptRow(id=own_id if isinstance(own_id, int) and not isinstance(own_id, bool) else index,
                          prompt=prompt, messages=messages, question=question, answer=self._answer(obj, origin),
                          metadata=self._metadata(obj, origin), images=self._images(obj, origin, base),
-                         origin=origin)
+                         image_names=self._image_names(obj, origin), origin=origin)
 
     def _prompt(self, obj: dict, origin: str) -> str:
         key = self.prompt_key
@@ -188,6 +191,15 @@ class RowSchema:
             except ImageError as err:
                 raise DatasetError(str(err)) from None
         return images
+
+    def _image_names(self, obj: dict, origin: str) -> list[str]:
+        """Each image's path as the row gives it (called after `_images` checked the column)."""
+        if self.images_key is None:
+            return []
+        value = obj[self.images_key]
+        items = [] if value is None else value if isinstance(value, list) else [value]
+        paths = [item.get("path") if isinstance(item, dict) else item for item in items]
+        return [p if isinstance(p, str) and p else f"{origin} image {k}" for k, p in enumerate(paths)]
 
     def _image(self, item: object, where: str, base: Path | None) -> bytes:
         """One image's encoded bytes: given, or read from its file."""

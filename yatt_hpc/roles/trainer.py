@@ -55,6 +55,7 @@ from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.base import BaseController, rank_device
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
+from yatt_hpc.roles.samples import TermLabels, sample_rows, samples_due
 from yatt_hpc.roles.validation import HeldOut
 from yatt_hpc.runtime.rank_stats import RankStats
 from yatt_hpc.sched.balance import balance_coeff
@@ -110,6 +111,7 @@ class TrainerController(BaseController):
         self.kl = kl_controller(cfg.train)
         self.balancer = self._build_balancer()  # its cost model reads the policy's config
         self.held_out = HeldOut.build(cfg, self.tokenizer, images, self.dp_rank, self.routes.dp)
+        self.term_labels = TermLabels.of(cfg.reward)
         pairs = weight_pairs(world.plan, cfg.rollout.weight_transport, cfg.rollout.engine)
         self.weights_out = WeightSender(world.comm, pairs, cfg.rollout.weight_sync_bucket_mb, device=device)
         self.colocate = world.plan.mode == "colocate"
@@ -149,7 +151,15 @@ class TrainerController(BaseController):
             with self.stats.phase("weight_sync"):
                 self.sync_weights()
         self.report(batch, update)
+        if self.is_owner and samples_due(self.cfg, step + 1):
+            self.add_samples(batch, step + 1, "train", lambda pid: self.source.row_at(pid)["image_names"])
         self.stats.hold(-len(batch))
+
+    def add_samples(self, batch: SampleBatch, step: int, table: str, image_names) -> None:
+        """This replica's rows of a sample table, sent to the leader with the step report."""
+        self.stats.samples += sample_rows(batch, self.tokenizer, self.term_labels, step=step, table=table,
+                                          replica=self.dp_rank, count=self.cfg.logging.samples_per_replica,
+                                          image_names=image_names)
 
     def train_on(self, batch: SampleBatch, step: int):
         """Advantages, the mini-batch plan, this step's learning rate, the update; then the KL controller."""
@@ -204,6 +214,10 @@ class TrainerController(BaseController):
                     self.protocol.gate(SCORED)
                     scored = self.collect_scored()
                     sums[:] = self.held_out.sums(scored)
+                    if self.cfg.logging.samples_every > 0:
+                        for name, part in self.held_out.by_source(scored):
+                            self.add_samples(part, step, f"val/{name}",
+                                             lambda pid: self.held_out.row_of(pid)["image_names"])
                     self.stats.hold(-len(scored))
                     return False
 

@@ -66,6 +66,16 @@ class HeldOut:
                 prompts.append(np.asarray(stream.encode(row), np.int32))
         return np.asarray(ids, np.int64), rows, prompts
 
+    def row_of(self, prompt_id: int) -> dict:
+        """The held-out row behind a validation prompt id."""
+        offset = prompt_id - EVAL_ID_BASE
+        return self.sources[offset >> 32].row_at(offset & 0xFFFFFFFF)
+
+    def by_source(self, scored: SampleBatch) -> list[tuple[str, SampleBatch]]:
+        """(source name, its samples) of a scored validation batch."""
+        source_of = (scored.prompt_id - EVAL_ID_BASE) >> 32
+        return [(name, scored.select(np.flatnonzero(source_of == i))) for i, name in enumerate(self.names)]
+
     def width(self) -> int:
         return len(_FIXED) + len(ks_of(self.n))
 

@@ -112,9 +112,9 @@ class StepLoop:
         if health is not None:
             health.close()
         self.ckpt.close()
-        self.metrics.close()
         if self.world.is_leader and self.outcome == "complete":
             self.finish(time.perf_counter() - started)
+        self.metrics.close(self.outcome)  # the leader: report.png to the trackers, then their runs end
         return self.outcome
 
     def resume(self) -> int:
@@ -191,7 +191,7 @@ class StepLoop:
                  step, t1 - t0, time.perf_counter() - t1)
         self.outcome = "stopped"
         if self.world.is_leader:
-            self.metrics.close()
+            self.metrics.close("stopped")
             self.announce(SIGNAL, step, abandoned=f"gave up step {step + 1} {waited:.1f}s after the signal "
                                                   f"(checkpoint.stop_grace_s={self.cfg.checkpoint.stop_grace_s:g})")
 
@@ -243,6 +243,7 @@ class StepLoop:
             scalars.update(self.split.scalars())
             log.info("step %d split: rollout %d of %d, busy rollout %.2fs genrm %.2fs; step %d: %s", step,
                      self.split.ran, self.split.pool, *self.split.busy, step + 2, self.split.decision.reason)
+        self.log_samples(reports)  # before the step's scalars: a tracker takes a step's data in step order
         self.metrics.log(step + 1, scalars)
         self.history.append(scalars)
         if self.console is not None and self.cfg.logging.progress:
@@ -254,6 +255,15 @@ class StepLoop:
                 f"reward {s['time/reward']:.1f} | train {s['time/train']:.1f} | sync {s['time/weight_sync']:.2f}",
                 highlight=False)
 
+    def log_samples(self, reports: list[dict]) -> None:
+        """The sample tables the trainer replicas' rows make (each replica sent its few with its report)."""
+        tables: dict[tuple[int, str], list[dict]] = {}
+        for report in reports:
+            for row in report.get("samples", ()):
+                tables.setdefault((row["step"], row["table"]), []).append(row)
+        for (step, table), rows in sorted(tables.items()):
+            self.metrics.log_samples(step, table, sorted(rows, key=lambda r: (r["replica"], r["sample"])))
+
     def finish(self, wall: float) -> None:
         from yatt_hpc.metrics.report import read_metrics
         from yatt_hpc.runtime.summary import print_summary, run_summary
@@ -263,4 +273,4 @@ class StepLoop:
         if self.run_dir is not None:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.console is not None:
-            print_summary(summary, self.run_dir, self.console)
+            print_summary(summary, self.run_dir, self.console, self.cfg.logging)

@@ -4,6 +4,7 @@
     with stats.phase("rollout"):
         ...
     stats.hold(+len(batch)); ...; stats.hold(-len(batch))
+    stats.samples += rows               # a trainer owner's rows of a sample table, sent with the report
     report = stats.step_report()        # small dict the leader gathers once per step
 
 With a timeline path, every phase is also appended as {"step", "phase", "start", "end"} (wall
@@ -45,6 +46,7 @@ class RankStats:
         self.peak_held = 0
         self.times: dict[str, float] = {}
         self.values: dict[str, float] = {}
+        self.samples: list[dict] = []  # sample-table rows (a few per table), kept through `aside`
         self.step = 0
         self._aside: str | None = None  # the timeline's phase name while numbers are set aside
         self._timeline = open(timeline_path, "a", encoding="utf-8") if timeline_path else None
@@ -91,7 +93,9 @@ class RankStats:
         self.values.update(LEDGER.take())
         report = {"group": self.group, "times": self.times, "values": self.values,
                   "peak_held": self.peak_held, "peak_rss_mb": peak_rss_mb()}
-        self.times, self.values = {}, {}
+        if self.samples:
+            report["samples"] = self.samples
+        self.times, self.values, self.samples = {}, {}, []
         self.step += 1
         if self._timeline is not None:
             self._timeline.flush()

@@ -117,7 +117,7 @@ def run_summary(history: list[dict], wall_seconds: float) -> dict:
     }
 
 
-def print_summary(summary: dict, run_dir: Path | None, console: Console) -> None:
+def print_summary(summary: dict, run_dir: Path | None, console: Console, logging_cfg=None) -> None:
     table = Table(title="run summary")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -125,8 +125,17 @@ def print_summary(summary: dict, run_dir: Path | None, console: Console) -> None
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
     if run_dir is not None:
-        console.print(f"TensorBoard logs: {run_dir / 'tb'}   (yatt-hpc tb {run_dir})")
+        trackers = logging_cfg.trackers if logging_cfg is not None else ["tensorboard"]
+        if "tensorboard" in trackers:
+            console.print(f"TensorBoard logs: {run_dir / 'tb'}   (yatt-hpc tb {run_dir})")
+        if "wandb" in trackers and (run_dir / "wandb").is_dir():
+            console.print(f"W&B:              {run_dir / 'wandb'}   (offline: wandb sync {run_dir / 'wandb'}/offline-run-*)")
+        if "mlflow" in trackers:
+            local = f"sqlite:///{Path(run_dir).resolve() / 'mlflow' / 'mlflow.db'}"
+            uri = logging_cfg.mlflow_tracking_uri or local
+            console.print(f"MLflow:           {uri}" + (f"   (mlflow ui --backend-store-uri {uri})" if uri == local else ""))
         console.print(f"report:           yatt-hpc report {run_dir}   -> {run_dir / 'report.png'}")
         if (run_dir / "checkpoints").is_dir():
             console.print(f"checkpoints:      {run_dir / 'checkpoints'}")
-        console.print(f"per-rank logs:    {run_dir / 'logs'}   metrics: {run_dir / 'metrics.jsonl'}")
+        console.print(f"per-rank logs:    {run_dir / 'logs'}   metrics: {run_dir / 'metrics.jsonl'}"
+                      + (f"   samples: {run_dir / 'samples.jsonl'}" if (run_dir / "samples.jsonl").is_file() else ""))

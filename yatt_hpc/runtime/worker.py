@@ -101,6 +101,19 @@ def quiet_libraries() -> None:
         hf_logging.disable_progress_bar()
 
 
+def tracker_settings(cfg, run_dir: Path, config_yaml: str, environ):
+    """What the leader's trackers need (`logging:`), the environment read here: W&B goes offline unless
+    WANDB_MODE says how it runs."""
+    from yatt_hpc.metrics.tracking import TrackerSettings, code_version, flat_params
+
+    lc = cfg.logging
+    params = {**flat_params(cfg.model_dump(mode="json", by_alias=True)), "code_version": code_version()}
+    return TrackerSettings(names=list(lc.trackers), run_dir=run_dir, project=lc.project or "yatt-hpc",
+                           run_name=lc.run_name, mlflow_tracking_uri=lc.mlflow_tracking_uri,
+                           wandb_mode=None if environ.get("WANDB_MODE") else "offline", config_yaml=config_yaml,
+                           params=params)
+
+
 def run_rank(group: str, run_dir: Path) -> str:
     from mpi4py import MPI
 
@@ -112,6 +125,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     from yatt_hpc.launch.requeue import job_end_time
     from yatt_hpc.launch.slurm_env import SlurmEnv
     from yatt_hpc.metrics import build_metrics
+    from yatt_hpc.metrics.tracking import hide_tracker_libraries
     from yatt_hpc.placement import plan
     from yatt_hpc.roles.protocol import StepProtocol, check_requested
     from yatt_hpc.runtime.allocator import keep_freed_memory
@@ -125,7 +139,8 @@ def run_rank(group: str, run_dir: Path) -> str:
     logging.getLogger(__name__).info("%s", keep_freed_memory())  # before the first big allocation
     quiet_libraries()
     config_yaml = (run_dir / "config.yaml").read_text()
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_config(run_dir / "config.yaml")  # checks that the trackers' libraries are installed: then
+    hide_tracker_libraries()  # keeps them out until the leader's trackers open (Megatron would load wandb)
     logging.getLogger().setLevel(cfg.logging.level)  # INFO until the config is read
     # groups finish their imports seconds apart: the first ones sleep (not spin) until all are here
     quiet_barrier(MPI.COMM_WORLD, "start: every rank imported")
@@ -140,7 +155,8 @@ def run_rank(group: str, run_dir: Path) -> str:
         controller = build_controller(world, cfg, run_dir, stats, protocol)
         stop_flag.reclaim()  # before the block lifts: a signal that came meanwhile reaches our handler
     quiet_barrier(world.comm, "start: every controller built")  # engines are ready long before trainers
-    metrics = build_metrics(run_dir, is_writer=world.is_leader, tensorboard=cfg.logging.tensorboard)
+    metrics = build_metrics(run_dir, is_writer=world.is_leader,
+                            settings=tracker_settings(cfg, run_dir, config_yaml, os.environ) if world.is_leader else None)
     console = leader_console() if world.is_leader else None
     slurm_env = SlurmEnv.from_environ(os.environ)
     slurm = SlurmFacts(slurm_env.job_id, slurm_env.restart_count, job_end_time(os.environ))
@@ -154,7 +170,8 @@ def run_rank(group: str, run_dir: Path) -> str:
         metrics.close()
     controller.close()  # engines' child processes (SGLang's scheduler) end with the run, not at interpreter exit
     protocol.close()
-    heavy = [m for m in ("torch", "torch._dynamo", "transformers", "megatron.core") if m in sys.modules]
+    heavy = [m for m in ("torch", "torch._dynamo", "transformers", "megatron.core", "wandb", "mlflow")
+             if sys.modules.get(m) is not None]  # None: kept out (hide_tracker_libraries)
     logging.getLogger(__name__).info("done: %s (loaded: %s)", outcome, ", ".join(heavy) or "no torch")
     quiet_barrier(world.comm, "end")
     return outcome
