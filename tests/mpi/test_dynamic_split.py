@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, mpi_env
+from tests.conftest import NO_EVAL, REPO, mpi_env
 from yatt_hpc.ckpt.state import read_shared
 from yatt_hpc.metrics.writer import step_rows
 
@@ -50,7 +50,8 @@ def run_split(run_dir, policy, judge, steps, extra):
             "--set", "placement.rollout.tasks_per_node=2", "--set", "placement.genrm.tasks_per_node=1",
             "--set", f"model.path={policy}", "--set", f"reward.genrm_path={judge}", "--set", f"train.steps={steps}",
             "--set", f"train.prompts_per_step={PROMPTS}", "--set", f"rollout.samples_per_prompt={N}",
-            "--set", "rollout.stream_chunk=4", "--set", "logging.progress=false", *extra]
+            "--set", "rollout.stream_chunk=4", "--set", "logging.progress=false",
+            *(a for o in NO_EVAL for a in ("--set", o)), *extra]
     return subprocess.run([sys.executable, "-m", "yatt_hpc.cli", "run", str(REPO / "configs/demo_cpu.yaml"),
                            "--run-dir", str(run_dir), *args], cwd=REPO, env=mpi_env(), capture_output=True,
                           text=True, timeout=300)

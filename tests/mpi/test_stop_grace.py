@@ -24,7 +24,7 @@ from datetime import datetime
 
 import pytest
 
-from tests.conftest import REPO, final_state, full_matrix_only, kill_leftovers, leftover_pids, mpi_env, wait_for_file
+from tests.conftest import NO_EVAL, REPO, final_state, full_matrix_only, kill_leftovers, leftover_pids, mpi_env, wait_for_file
 from tests.mpi.test_exact_resume import assert_same, finished_steps
 from tests.mpi.test_overdispatch_run import assert_every_position_consumed_once_or_queued
 from tests.programs.held_engine import held_env, holding_marker
@@ -39,7 +39,8 @@ ARGS = ["--set", f"train.steps={K}", "--set", f"train.prompts_per_step={PROMPTS}
 
 PARTIAL = ["--set", "placement.mode=partial", "--set", "placement.dynamic_split.enabled=true",
            "--set", "placement.rollout.tasks_per_node=2", "--set", "placement.genrm.tasks_per_node=1",
-           "--set", "rollout.over_dispatch_ratio=1.5", "--set", "rollout.stream_chunk=32"]
+           "--set", "rollout.over_dispatch_ratio=1.5", "--set", "rollout.stream_chunk=32",
+           *(a for o in NO_EVAL for a in ("--set", o))]
 
 
 def cmd(run_dir, extra=(), config="configs/demo_cpu.yaml"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PYTHON, REPO, full_matrix_only
+from tests.conftest import NO_EVAL, PYTHON, REPO, full_matrix_only
 from yatt_hpc.config import load_config
 from yatt_hpc.launch.jobs import top_states, wait_job
 from yatt_hpc.launch.submitit_exec import dry_run_text, submit_run
@@ -132,7 +132,7 @@ FAST = ["--set", "train.steps=2", "--set", "train.prompts_per_step=8", "--set", 
 # partial with a dynamic split of 3 engine ranks and over-dispatch: one srun step of 4 ranks (a
 # virtual node has 4 CPUs), the STOP/END handshake and the per-step routes over TCP between ranks
 POOL = ("placement.dynamic_split.enabled=true", "placement.trainer.tasks_per_node=1", "placement.trainer.dp=null",
-        "placement.rollout.tasks_per_node=2", "rollout.over_dispatch_ratio=1.5")
+        "placement.rollout.tasks_per_node=2", "rollout.over_dispatch_ratio=1.5", *NO_EVAL)
 
 
 @needs_models
