@@ -32,7 +32,7 @@ def long_run_config(root: Path, max_new_tokens: int, prompts: int = 1, samples: 
     cfg["rollout"].update(samples_per_prompt=samples, max_new_tokens=max_new_tokens)
     cfg["placement"]["trainer"] = {"nodes": 1, "tasks_per_node": 1, "tp": 1, "dp": 1}
     cfg["checkpoint"]["interval"] = 0
-    cfg["logging"] = {"tensorboard": False, "progress": False}
+    cfg["logging"] = {"trackers": [], "progress": False}
     path = root / "long_responses.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
