@@ -20,6 +20,11 @@ TP group explicitly. Layout facts, checked against megatron-core 0.16 ``SelfAtte
 * A vision-language checkpoint (Qwen2-VL, names as saved on disk and loaded by SGLang): the language
   model converts as above from ``model.*``; the HF vision tower is not converted: ``visual.X`` is the
   trainer model's ``visual.X`` (the same HF module, replicated over TP), copied as is both ways.
+* Pipeline stages (a `Stage`): stage s of S holds layers s*L/S .. (s+1)*L/S - 1 under their local
+  numbers (``decoder.layers.0`` is its first), the first stage the embeddings, the last the final norm
+  and the head. With tied embeddings and S > 1 the last stage holds its own copy of the word embeddings
+  as ``output_layer.weight`` (Megatron's ``setup_embeddings_and_output_layer``): it is loaded from the
+  HF embedding and never written back (the first stage's is the one HF gets).
 """
 from __future__ import annotations
 
@@ -58,13 +63,52 @@ class Rule:
     split: Split
     conv1d: bool = False
     """HF stores this weight transposed (GPT-2 ``Conv1D``)."""
+    copy: bool = False
+    """A copy of a tensor another stage owns (the last stage's tied head): loaded from HF, never written back."""
 
 
-def weight_rules(arch: HFArch) -> list[list[Rule]]:
-    """The rules grouped in units (embeddings, each layer, head) that stream in model order."""
-    layers = [(_gpt2_layer_rules if arch.family == "gpt2" else _llama_layer_rules)(arch, i)
-              for i in range(arch.num_layers)]
-    return [_embedding_rules(arch), *layers, _head_rules(arch)]
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """Pipeline stage `index` of `count` (the default: the whole model on one stage)."""
+
+    index: int = 0
+    count: int = 1
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.count - 1
+
+    def layers(self, num_layers: int) -> range:
+        """The global layer numbers this stage holds (Megatron's uniform split)."""
+        if num_layers % self.count:
+            raise ValueError(f"{num_layers} layers do not split into {self.count} pipeline stages; "
+                             f"use a pp that divides {num_layers}")
+        per = num_layers // self.count
+        return range(self.index * per, (self.index + 1) * per)
+
+
+def weight_rules(arch: HFArch, stage: Stage = Stage()) -> list[list[Rule]]:
+    """The rules of `stage`'s tensors grouped in units (embeddings, each layer, head) that stream in model
+    order; Megatron names are the stage's own (local layer numbers), HF names the model's."""
+    layer_rules = _gpt2_layer_rules if arch.family == "gpt2" else _llama_layer_rules
+    layers = stage.layers(arch.num_layers)
+    units = [[dataclasses.replace(r, megatron=_local_layer(r.megatron, i, i - layers.start)) for r in layer_rules(arch, i)]
+             for i in layers]
+    if stage.first:
+        units.insert(0, _embedding_rules(arch))
+    if stage.last:
+        units.append(_head_rules(arch, tied_copy=stage.count > 1))
+    return units
+
+
+def _local_layer(name: str, layer: int, local: int) -> str:
+    prefix = f"decoder.layers.{layer}."
+    assert name.startswith(prefix), name
+    return f"decoder.layers.{local}.{name[len(prefix):]}"
 
 
 def _embedding_rules(arch: HFArch) -> list[Rule]:
@@ -75,12 +119,14 @@ def _embedding_rules(arch: HFArch) -> list[Rule]:
     return [Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Split.VOCAB)]
 
 
-def _head_rules(arch: HFArch) -> list[Rule]:
+def _head_rules(arch: HFArch, tied_copy: bool = False) -> list[Rule]:
     norm = "transformer.ln_f" if arch.family == "gpt2" else "model.norm"
     params = ("weight", "bias") if arch.family == "gpt2" else ("weight",)
     rules = [Rule(f"decoder.final_layernorm.{p}", (f"{norm}.{p}",), Split.REPLICATED) for p in params]
     if not arch.tied_embeddings:
         rules.append(Rule("output_layer.weight", ("lm_head.weight",), Split.VOCAB))
+    elif tied_copy:
+        rules.append(Rule("output_layer.weight", _embedding_rules(arch)[0].hf, Split.VOCAB, copy=True))
     return rules
 
 
@@ -131,8 +177,9 @@ def _llama_layer_rules(arch: HFArch, i: int) -> list[Rule]:
 # ----------------------------------------------------------------------------- HF -> Megatron
 
 
-def hf_to_megatron(hf_state_dict: StateDict, hf_config: Any, tp_rank: int, tp_size: int) -> StateDict:
-    """TP rank ``tp_rank``'s Megatron shard of an HF state dict (same dtype, contiguous).
+def hf_to_megatron(hf_state_dict: StateDict, hf_config: Any, tp_rank: int, tp_size: int,
+                   stage: Stage = Stage()) -> StateDict:
+    """TP rank ``tp_rank``'s Megatron shard of pipeline `stage` of an HF state dict (same dtype, contiguous).
 
     Replicated tensors may share storage with the input. Raises ``KeyError`` for HF tensors that
     are missing or that no rule consumes, so a checkpoint of another architecture cannot load
@@ -141,6 +188,9 @@ def hf_to_megatron(hf_state_dict: StateDict, hf_config: Any, tp_rank: int, tp_si
     arch = describe_hf_config(hf_config, tp_size)
     rules = [rule for unit in weight_rules(arch) for rule in unit]
     if arch.vision:
+        if stage.count > 1:
+            raise ValueError("pipeline parallelism with a vision-language model is not supported: set "
+                             "placement.trainer.pp=1")
         rules += vision_rules([k for k in hf_state_dict if k.startswith(HF_VISION)], HF_VISION)
     required = {name for rule in rules for name in rule.hf}
     # A tied head is listed by state_dict() but dropped by save_pretrained: accept either.
@@ -151,6 +201,8 @@ def hf_to_megatron(hf_state_dict: StateDict, hf_config: Any, tp_rank: int, tp_si
     if unknown or missing:
         raise KeyError(f"HF state dict does not match {arch.family}: missing={missing}, "
                        f"unexpected={unknown}")
+    if stage.count > 1:
+        rules = [rule for unit in weight_rules(arch, stage) for rule in unit]
     return {rule.megatron: _to_megatron(rule, [hf_state_dict[n] for n in rule.hf], arch, tp_rank,
                                         tp_size).contiguous()
             for rule in rules}
@@ -210,30 +262,39 @@ def megatron_to_hf(shards: Sequence[StateDict], hf_config: Any, emit_tied_lm_hea
     return dict(iter_megatron_to_hf(shards, hf_config, emit_tied_lm_head))
 
 
+def stages_to_hf(stage_shards: Sequence[Sequence[StateDict]], hf_config: Any,
+                 emit_tied_lm_head: bool = True) -> StateDict:
+    """Merge the TP shards of every pipeline stage (``stage_shards[pp][tp]``) into one HF state dict."""
+    count = len(stage_shards)
+    return {name: tensor for index, shards in enumerate(stage_shards)
+            for name, tensor in iter_megatron_to_hf(shards, hf_config, emit_tied_lm_head, Stage(index, count))}
+
+
 def iter_megatron_to_hf(
-    shards: Sequence[StateDict], hf_config: Any, emit_tied_lm_head: bool = True
+    shards: Sequence[StateDict], hf_config: Any, emit_tied_lm_head: bool = True, stage: Stage = Stage()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` in model order (embeddings, layer 0, 1, ..., head).
+    """Yield ``(hf_name, tensor)`` of pipeline `stage`'s TP shards in model order (embeddings, its layers, head).
 
     With tied embeddings HF also lists ``lm_head.weight`` (the same tensor as the embedding);
     ``emit_tied_lm_head=False`` skips it, e.g. for inference engines that tie on load.
     """
     arch = describe_hf_config(hf_config, len(shards))
     yield from _iter_hf(arch, lambda rule: [shard[rule.megatron] for shard in shards],
-                        emit_tied_lm_head, list(shards[0]))
+                        emit_tied_lm_head, list(shards[0]), stage=stage)
 
 
 def _iter_hf(arch: HFArch, shards_of, emit_tied_lm_head: bool, megatron_names: Sequence[str],
-             vision: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Drive ``_to_hf`` over every rule; ``shards_of(rule)`` returns that tensor's TP shards.
+             vision: bool = True, stage: Stage = Stage()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drive ``_to_hf`` over every rule of `stage`; ``shards_of(rule)`` returns that tensor's TP shards.
     ``megatron_names`` (the trainer-side names) list a vision model's tower tensors (none: ``vision``)."""
-    units = weight_rules(arch)
+    units = weight_rules(arch, stage)
     if arch.vision and vision:
         units.insert(0, vision_rules(megatron_names, MEGATRON_VISION))
     for unit in units:
         for rule in unit:
-            yield from _to_hf(rule, shards_of(rule), arch)
-    if arch.tied_embeddings and emit_tied_lm_head:
+            if not rule.copy:
+                yield from _to_hf(rule, shards_of(rule), arch)
+    if arch.tied_embeddings and emit_tied_lm_head and stage.first:
         rule = Rule("embedding.word_embeddings.weight", ("lm_head.weight",), Split.VOCAB)
         yield from _to_hf(rule, shards_of(rule), arch)
 
@@ -270,9 +331,11 @@ def _deinterleave_qkv(fused: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
 
 
 def iter_gathered_hf_weights(
-    model: torch.nn.Module, hf_config: Any, tp_group: Any, emit_tied_lm_head: bool = True, vision: bool = True
+    model: torch.nn.Module, hf_config: Any, tp_group: Any, emit_tied_lm_head: bool = True, vision: bool = True,
+    stage: Stage = Stage(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """All-gather the live model's TP shards one tensor at a time and yield full HF tensors.
+    """All-gather the live model's TP shards one tensor at a time and yield full HF tensors (of the
+    model's pipeline `stage`: its layers under their HF names).
 
     ``model`` is the bare GPTModel (unprefixed state-dict names, not a DDP wrapper).
     Collective: every rank of ``tp_group`` must drain the iterator in lockstep. Every rank gets the
@@ -290,7 +353,7 @@ def iter_gathered_hf_weights(
         return _all_gather(tensor, tp_group, tp_size)
 
     names = list(local) if vision else [n for n in local if not n.startswith(MEGATRON_VISION)]
-    yield from _iter_hf(arch, shards_of, emit_tied_lm_head, names, vision)
+    yield from _iter_hf(arch, shards_of, emit_tied_lm_head, names, vision, stage)
 
 
 def gather_hf_state_dict(

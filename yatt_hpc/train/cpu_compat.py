@@ -13,7 +13,11 @@ Activation recomputation (``train.recompute``) runs through Megatron's own ``ten
 whose RNG bookkeeping reads and restores the CUDA generator's state; on CPU that bookkeeping covers the
 CPU generator and the tracker only (``_use_cpu_rng_states``).
 
-Not covered, because our trainer does not use them on CPU: ``get_forward_backward_func`` schedules,
+Megatron's pipeline schedules (``pipeline_parallel/schedules.py``, ``p2p_communication.py``) run on CPU
+inside ``pipeline_on_cpu()``: they allocate with ``device="cuda"`` and ``torch.cuda.current_device()`` and
+call ``torch.cuda.synchronize()`` after batched sends.
+
+Not covered, because our trainer does not use them on CPU:
 megatron ``DistributedDataParallel``, ``get_megatron_optimizer`` (literal ``"cuda"`` devices),
 ``dist_checkpointing.save`` (CUDA sync), ``sequence_parallel`` (needs TE/Apex). The default causal
 mask (``transformer/utils.py::get_default_causal_mask`` builds it with ``device="cuda"``) is avoided
@@ -95,20 +99,56 @@ def make_rope_cpu_safe(model: torch.nn.Module) -> int:
 
 @contextlib.contextmanager
 def cuda_device_on_cpu() -> Iterator[None]:
-    """While building a model on CPU, ``torch.cuda.current_device()`` answers ``"cpu"``.
+    """While building a model on CPU, ``torch.cuda.current_device()`` answers ``"cpu"`` and
+    ``Tensor.cuda()`` leaves a tensor where it is.
 
     ``MultimodalRotaryEmbedding.__init__`` (M-RoPE, rotary_pos_embedding.py) builds ``inv_freq`` with
-    ``device=torch.cuda.current_device()`` and has no CPU branch. A no-op on CUDA.
+    ``device=torch.cuda.current_device()`` and has no CPU branch; with pipeline stages and tied embeddings
+    ``LanguageModule.setup_embeddings_and_output_layer`` moves the head's copy to CUDA before its first
+    all-reduce (language_module.py, ``weight.data.cuda()``). A no-op on CUDA.
     """
     if not is_cpu_runtime():
         yield
         return
-    saved = torch.cuda.current_device
+    saved, saved_cuda = torch.cuda.current_device, torch.Tensor.cuda
     torch.cuda.current_device = lambda: "cpu"
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     try:
         yield
     finally:
-        torch.cuda.current_device = saved
+        torch.cuda.current_device, torch.Tensor.cuda = saved, saved_cuda
+
+
+class _CpuTorch:
+    """``torch`` as the pipeline schedules see it on CPU: ``torch.zeros(..., device="cuda")`` (the token
+    counter of every schedule, schedules.py) allocates on the CPU; everything else is torch's own."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+@contextlib.contextmanager
+def pipeline_on_cpu() -> Iterator[None]:
+    """Run Megatron's pipeline schedules on CPU (gloo point-to-point): receive buffers and shape messages
+    on the CPU (``p2p_communication.py`` allocates on ``torch.cuda.current_device()``), no CUDA sync after a
+    batched exchange, the schedules' token counter on the CPU. A no-op on CUDA."""
+    if not is_cpu_runtime():
+        yield
+        return
+    from megatron.core.pipeline_parallel import schedules
+
+    saved = torch.cuda.current_device, torch.cuda.synchronize, schedules.torch
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    schedules.torch = _CpuTorch()
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, torch.cuda.synchronize, schedules.torch = saved
 
 
 class _CpuGlobalMemoryBuffer(GlobalMemoryBuffer):

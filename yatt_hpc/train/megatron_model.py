@@ -49,11 +49,13 @@ def initialize_model_parallel(
     seed: int = 0,
     timeout_s: float = 600.0,
     cuda_device: int | None = None,
+    pp_size: int = 1,
 ) -> None:
-    """Join the trainer's process group (gloo on CPU, NCCL on CUDA) and set up TP=tp_size, PP=CP=1.
+    """Join the trainer's process group (gloo on CPU, NCCL on CUDA) and set up TP=tp_size, PP=pp_size, CP=1.
 
     ``rank``/``world_size`` and the leader's address come from the caller (MPI in the controller),
-    never from environment variables. Data parallelism is ``world_size // tp_size``.
+    never from environment variables. Data parallelism is ``world_size // (tp_size * pp_size)``; Megatron's
+    rank order puts tp fastest, then dp, then pp (the plan's trainer layout).
     ``cuda_device`` defaults to ``rank % device_count`` (ranks packed node by node).
     """
     cpu = cpu_compat.is_cpu_runtime()
@@ -68,7 +70,7 @@ def initialize_model_parallel(
     )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp_size,
-        pipeline_model_parallel_size=1,
+        pipeline_model_parallel_size=pp_size,
         context_parallel_size=1,
     )
     if not cpu_compat.prepare_cpu_runtime(seed):
@@ -130,7 +132,8 @@ class Recompute:
 
 
 def build_transformer_config(
-    arch: HFArch, tp_size: int, params_dtype: torch.dtype = torch.float32, recompute: Recompute = Recompute()
+    arch: HFArch, tp_size: int, params_dtype: torch.dtype = torch.float32, recompute: Recompute = Recompute(),
+    pp_size: int = 1,
 ) -> TransformerConfig:
     """The ``TransformerConfig`` whose local-spec layers reproduce the HF blocks of ``arch``."""
     gpt2 = arch.family == "gpt2"
@@ -138,13 +141,25 @@ def build_transformer_config(
         # selective recompute's "core_attn may be Transformer Engine's fused attention" note: ours is the local
         # spec's attention, whose scores and probabilities are what selective recompute is for
         warnings.filterwarnings("ignore", message="If you are using transformer_engine", category=UserWarning)
-        return _transformer_config(arch, tp_size, params_dtype, recompute, gpt2)
+        return _transformer_config(arch, tp_size, params_dtype, recompute, gpt2, pp_size)
 
 
 def _transformer_config(arch: HFArch, tp_size: int, params_dtype: torch.dtype, recompute: Recompute,
-                        gpt2: bool) -> TransformerConfig:
+                        gpt2: bool, pp_size: int) -> TransformerConfig:
+    pipeline = {} if pp_size == 1 else {
+        "pipeline_model_parallel_size": pp_size,
+        "pipeline_dtype": params_dtype,
+        # micro-batches of varied length and row count: each send is preceded by its shape
+        "variable_seq_lengths": True,
+        # a dense model has no token dispatcher; the default one (allgather) refuses variable lengths
+        "moe_token_dispatcher_type": "alltoall",
+        # the loss function returns the micro-batch's share of the mini-batch loss, already divided by
+        # the global counts (`yatt_hpc/algos/aggregate.py`): the schedule must not divide it again
+        "calculate_per_token_loss": True,
+    }
     return TransformerConfig(
-        **recompute.transformer_fields(arch.num_layers),
+        **recompute.transformer_fields(arch.num_layers // pp_size),
+        **pipeline,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -212,9 +227,17 @@ def build_gpt_model(
     ``recompute`` takes effect in training mode only (Megatron checks ``self.training``).
     """
     arch = describe_hf_config(hf_config, tp_size)
-    config = build_transformer_config(arch, tp_size, params_dtype, recompute)
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    if arch.num_layers % pp_size:
+        raise ValueError(f"the model has {arch.num_layers} layers, which do not split into placement.trainer.pp="
+                         f"{pp_size} pipeline stages; use a pp that divides {arch.num_layers}")
+    if arch.vision and pp_size > 1:
+        raise ValueError("pipeline parallelism with a vision-language model is not supported: set "
+                         "placement.trainer.pp=1")
+    config = build_transformer_config(arch, tp_size, params_dtype, recompute, pp_size)
     rope = arch.rope_theta is not None
-    with cpu_compat.cuda_device_on_cpu():  # MultimodalRotaryEmbedding asks torch.cuda for a device
+    # MultimodalRotaryEmbedding asks torch.cuda for a device; a tied head's first sync moves it to CUDA
+    with cpu_compat.cuda_device_on_cpu():
         model = _gpt_model(arch, config, parallel_output, rope)
     if arch.vision:
         model.visual = _vision_tower(hf_config).requires_grad_(train_vision)
@@ -236,6 +259,8 @@ def _gpt_model(arch: HFArch, config: TransformerConfig, parallel_output: bool, r
         vocab_size=arch.padded_vocab_size,
         max_sequence_length=arch.max_positions,
         parallel_output=parallel_output,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tied_embeddings,
         position_embedding_type="mrope" if arch.mrope_section else "rope" if rope else "learned_absolute",
         rotary_base=int(arch.rope_theta) if rope else 10000,

@@ -20,6 +20,11 @@ backward the bf16 gradients are moved into fp32 master gradients, reduced and cl
 optimizer steps the masters and the bf16 parameters are rounded from them. Checkpoints hold the
 fp32 masters, so a resumed bf16 run continues from exactly the same state.
 
+Pipeline parallelism (`placement.trainer.pp > 1`): this rank holds one stage (`train/pipeline.py`); each
+mini-batch's micro-batches run through Megatron's 1F1B schedule, the last stage computes their losses, and
+the reference's log-probabilities (KL in the loss) come from a forward-only pass of the reference's stages
+before the update. The update's statistics are the last stage's, broadcast to the others.
+
 A vision-language policy (Qwen2-VL): each update decodes every group's images once, from the encoded
 bytes the batch carries, into pixel values on this rank (`vision/processor.py`); every micro-batch's
 forward gets its rows' pixels, grids and M-RoPE positions. The vision tower trains only with
@@ -47,8 +52,10 @@ from yatt_hpc.metrics.activity import ACTIVITY
 from yatt_hpc.models.hf_config import load_hf_config
 from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
 from yatt_hpc.train.adamw import AdamW
+from yatt_hpc.train.grad_buckets import GRAD_BUCKET_MB, allreduce_bucketed
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
+from yatt_hpc.train.pipeline import PipelineStages, sync_tied_embeddings
 from yatt_hpc.train.sharded_optim import ShardedAdamW
 from yatt_hpc.train.step_plan import UpdatePlan, forward_tokens, micro_batches, whole_batch_plan
 from yatt_hpc.vision.processor import ImageProcessor
@@ -103,6 +110,7 @@ class MegatronPolicy:
         self.mixed = any(p.dtype != torch.float32 for p in self.named_params.values())
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
+        self.pipeline = PipelineStages() if parallel_state.get_pipeline_model_parallel_world_size() > 1 else None
         # train.shard_optimizer: AdamW state (and a bf16 model's fp32 masters) split over the DP ranks
         self.sharded = cfg.shard_optimizer and torch.distributed.get_world_size(self.dp_group) > 1
         if self.sharded:
@@ -125,7 +133,7 @@ class MegatronPolicy:
         model_dir = Path(model_dir)
         hf_config = load_hf_config(model_dir)
         hf_state = load_hf_state_dict(model_dir)
-        shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank, tp_size)
+        shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank, tp_size, pipeline_stage())
         vision = hasattr(hf_config, "vision_config")
         if cfg.train_vision_tower and not vision:
             raise ValueError(f"train.train_vision_tower=true but model.path={str(model_dir)!r} has no vision tower "
@@ -160,6 +168,9 @@ class MegatronPolicy:
         if plan is None:
             plan = whole_batch_plan(batch, self.cfg)
         totals = UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        # the pipeline's reference term: every sample's reference log-probs, before the update
+        reference = self.reference_logprobs(batch) if self.pipeline is not None and self.reference is not None \
+            and plan.kl_coef else None
         self.model.train()
         pixels = self._group_pixels(batch)
         steps = 0
@@ -167,11 +178,16 @@ class MegatronPolicy:
             for index, counts in zip(plan.minibatches, plan.totals):
                 terms = LossTerms(counts, plan.kl_coef, plan.norm_len)
                 self._zero_grads()
-                for micro in micro_batches(batch, index, self.cfg):
+                micros = list(micro_batches(batch, index, self.cfg))
+                for micro in micros:
                     totals.micro_batch_tokens_max = max(totals.micro_batch_tokens_max, forward_tokens(
                         batch.prompt_len[micro], batch.response_len[micro], batch.prompt_id[micro], self.share_prompts))
-                    stats = self._micro_step(batch.select(micro), [advantages[i] for i in micro], plan.keep[micro],
-                                             terms, pixels)
+                if self.pipeline is None:
+                    every = (self._micro_step(batch.select(micro), [advantages[i] for i in micro], plan.keep[micro],
+                                              terms, pixels) for micro in micros)
+                else:
+                    every = self._pipeline_steps(batch, micros, advantages, plan.keep, terms, reference)
+                for stats in every:
                     ACTIVITY.progress()
                     for key in ("loss", "kl", "entropy", "clip_frac", "tokens"):
                         setattr(totals, key, getattr(totals, key) + getattr(stats, key))
@@ -179,6 +195,11 @@ class MegatronPolicy:
                         totals.logp_diff_max = max(totals.logp_diff_max, stats.logp_diff_max)
                 totals.grad_norm += self._optimizer_step()
                 steps += 1
+        if self.pipeline is not None:  # the last stage computed the losses: every stage reports its numbers
+            keys = ("loss", "kl", "entropy", "clip_frac", "tokens", "logp_diff_max")
+            shared = self.pipeline.broadcast_from_last(np.array([getattr(totals, k) for k in keys]))
+            for key, value in zip(keys, shared):
+                setattr(totals, key, float(value))
         for key in ("kl", "entropy", "clip_frac", "tokens"):  # sums over the samples, once each
             setattr(totals, key, getattr(totals, key) / plan.epochs)
         totals.loss /= max(steps, 1)  # the mean over optimizer steps of each mini-batch's loss
@@ -190,6 +211,8 @@ class MegatronPolicy:
     def reference_logprobs(self, batch: SampleBatch) -> list[np.ndarray]:
         """The frozen reference's log-probability of every response token, one array per sample (the KL
         in the reward); collective over the TP group, like a forward."""
+        if self.pipeline is not None:
+            return self._pipeline_reference_logprobs(batch)
         out: list[np.ndarray | None] = [None] * len(batch)
         pixels = self._group_pixels(batch)
         for micro in micro_batches(batch, np.arange(len(batch)), self.cfg):
@@ -284,6 +307,13 @@ class MegatronPolicy:
     def _loss_backward(self, logp, entropy, ref_logp, old_logp, mask, adv_tok, keep: np.ndarray,
                        terms: LossTerms) -> UpdateStats:
         """The micro-batch's share of the aggregated loss (`yatt_hpc/algos/`), backward; sums for the metrics."""
+        loss, stats = self._loss(logp, entropy, ref_logp, old_logp, mask, adv_tok, keep, terms)
+        loss.backward()
+        return stats
+
+    def _loss(self, logp, entropy, ref_logp, old_logp, mask, adv_tok, keep: np.ndarray,
+              terms: LossTerms) -> tuple[torch.Tensor, UpdateStats]:
+        """The micro-batch's share of the aggregated loss (`yatt_hpc/algos/`) and its sums for the metrics."""
         cfg = self.cfg
         diff = float(((logp.detach() - old_logp).abs() * mask).max()) if mask.any() else 0.0
         mask = mask * torch.from_numpy(keep).to(mask)[:, None]  # train.mask_truncated: out of the loss
@@ -295,12 +325,98 @@ class MegatronPolicy:
         if cfg.entropy_coef:
             per_token = per_token - cfg.entropy_coef * entropy
         loss = aggregate(per_token, mask, cfg.agg_mode, terms.totals, norm_len=terms.norm_len)
-        loss.backward()
         with torch.no_grad():
             m = mask.to(logp.dtype)
-            return UpdateStats(loss=loss.item(), kl=float((kl_tok * m).sum()) if kl_tok is not None else 0.0,
+            return loss, UpdateStats(loss=loss.item(), kl=float((kl_tok * m).sum()) if kl_tok is not None else 0.0,
                                entropy=float((entropy * m).sum()), clip_frac=float((clipped.to(m.dtype) * m).sum()),
                                grad_norm=0.0, tokens=float(m.sum()), logp_diff_max=diff)
+
+    # ------------------------------------------------------------------ pipeline stages (pp > 1)
+
+    def _stage_inputs(self, mb: SampleBatch, pixels: update_images.Pixels):
+        """What every stage builds for a micro-batch: the padded tokens or the shared-prompt stream."""
+        if self.share_prompts:
+            layout = shared_prompt.build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"), mb.prompt_id)
+            return layout.to(self.device)
+        tokens, mask, old_logp = pack_micro_batch(mb)
+        return tokens.to(self.device), mask.to(self.device), old_logp.to(self.device)
+
+    def _stage_forward(self, model, inputs) -> torch.Tensor:
+        """This stage's output for a micro-batch: logits on the last stage, hidden states elsewhere."""
+        if self.share_prompts:
+            return shared_prompt.forward_shared(model, inputs)
+        return megatron_model.forward_logits(model, inputs[0][:, :-1])
+
+    def _stage_logprobs(self, inputs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's log-probs and entropies of a micro-batch's targets."""
+        if self.share_prompts:
+            logits, targets = shared_prompt.gather_rows(logits, inputs.source), inputs.targets
+        else:
+            targets = inputs[0][:, 1:]
+        return token_logprobs_and_entropy(logits, targets, self.tp_group, self.vocab_size, self.temperature)
+
+    def _aligned(self, mb: SampleBatch, inputs, values: list[np.ndarray]) -> torch.Tensor:
+        """Per-response-token `values` laid out like the micro-batch's log-probs."""
+        if self.share_prompts:
+            return shared_prompt.padded(values, inputs.targets.shape[1]).to(self.device)
+        return response_aligned(mb.prompt_len, values, inputs[0].shape[1] - 1).to(self.device)
+
+    def _pipeline_steps(self, batch: SampleBatch, micros: list[np.ndarray], advantages: list[np.ndarray],
+                        keep: np.ndarray, terms: LossTerms, reference: list[np.ndarray] | None) -> list[UpdateStats]:
+        """Forward and backward of a mini-batch's micro-batches through the stages (1F1B); the last stage's
+        statistics of each (none on the other stages)."""
+        items = []
+        for micro in micros:
+            mb = batch.select(micro)
+            items.append((micro, mb, self._stage_inputs(mb, {})))
+
+        def loss(item, logits):
+            micro, mb, inputs = item
+            logp, entropy = self._stage_logprobs(inputs, logits)
+            old_logp = self._aligned(mb, inputs, mb.ragged("logprobs"))
+            mask = inputs.mask if self.share_prompts else inputs[1]
+            adv_tok = self._aligned(mb, inputs, [advantages[i] for i in micro])
+            ref_logp = None if reference is None else self._aligned(mb, inputs, [reference[i] for i in micro])
+            return self._loss(logp, entropy, ref_logp, old_logp, mask, adv_tok, keep[micro], terms)
+
+        recompute = self.share_prompts and self.cfg.recompute != "none"
+        try:
+            return self.pipeline.run(self.model, items, lambda model, item: self._stage_forward(model, item[2]), loss,
+                                     on_backward=(lambda item: shared_prompt.set_backward_layout(item[2]))
+                                     if recompute else None)
+        finally:
+            if recompute:
+                shared_prompt.set_backward_layout(None)
+
+    @torch.no_grad()
+    def _pipeline_reference_logprobs(self, batch: SampleBatch) -> list[np.ndarray]:
+        """`reference_logprobs` through the reference's stages; every stage gets the last stage's result."""
+        micros = list(micro_batches(batch, np.arange(len(batch)), self.cfg))
+        items = [(micro, batch.select(micro)) for micro in micros]
+        items = [(micro, mb, self._stage_inputs(mb, {})) for micro, mb in items]
+
+        def rows(item, logits):
+            _, mb, inputs = item
+            logp, _ = self._stage_logprobs(inputs, logits)
+            padded = logp.float().cpu().numpy()
+            if self.share_prompts:
+                got = [row[:n] for row, n in zip(padded, mb.response_len)]
+            else:
+                got = [padded[i, p - 1:p - 1 + n] for i, (p, n) in enumerate(zip(mb.prompt_len, mb.response_len))]
+            return torch.zeros(()), got
+
+        self.reference.eval()
+        per_micro = self.pipeline.run(self.reference, items, lambda model, item: self._stage_forward(model, item[2]),
+                                      rows, forward_only=True)
+        flat = np.zeros(int(batch.response_len.sum()))
+        if self.pipeline.last:
+            out: list = [None] * len(batch)
+            for (micro, _, _), got in zip(items, per_micro):
+                for i, row in zip(micro, got):
+                    out[i] = row
+            flat = np.concatenate(out) if out else flat
+        flat = self.pipeline.broadcast_from_last(flat).astype(np.float32)
+        return np.split(flat, np.cumsum(batch.response_len)[:-1]) if len(batch) else []
 
     def _zero_grads(self) -> None:
         for p in self.named_params.values():
@@ -310,6 +426,8 @@ class MegatronPolicy:
 
     def _optimizer_step(self) -> float:
         """DP-sum the gradients, clip them by the global norm, step; the norm before clipping."""
+        if self.pipeline is not None:
+            sync_tied_embeddings(self.model)  # the first stage's embeddings and the last's head: one update
         if not self.sharded:
             self._grads_to_master()
             self._allreduce_grads()
@@ -399,7 +517,7 @@ class MegatronPolicy:
         # summed on the parameters' device: NCCL reduces device tensors only, and one sync at the end
         sharded, replicated = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         for p, g in grads:
-            if g is None:
+            if g is None or getattr(p, "shared", False):  # the last stage's copy of tied embeddings: counted once
                 continue
             sq = g.detach().float().pow(2).sum()
             if getattr(p, "tensor_model_parallel", False):
@@ -408,7 +526,10 @@ class MegatronPolicy:
                 replicated += sq
         if torch.distributed.get_world_size(self.tp_group) > 1:
             torch.distributed.all_reduce(sharded, group=self.tp_group)
-        norm = math.sqrt(float(sharded + replicated))
+        total = sharded + replicated
+        if self.pipeline is not None:  # every stage's layers
+            total = self.pipeline.sum(total)
+        norm = math.sqrt(float(total))
         if self.cfg.grad_clip and norm > self.cfg.grad_clip:
             scale = self.cfg.grad_clip / (norm + 1e-6)
             for _, g in grads:
@@ -447,52 +568,21 @@ class MegatronPolicy:
     def hf_weights(self):
         """(hf_name, tensor) of the full model; collective over the TP group (all TP ranks iterate)."""
         return convert.iter_gathered_hf_weights(self.model, self.hf_config, self.tp_group,
-                                                vision=self.cfg.train_vision_tower)
+                                                vision=self.cfg.train_vision_tower, stage=pipeline_stage())
+
+
+def pipeline_stage() -> convert.Stage:
+    """This rank's pipeline stage (after `megatron_model.initialize_model_parallel`)."""
+    return convert.Stage(parallel_state.get_pipeline_model_parallel_rank(),
+                         parallel_state.get_pipeline_model_parallel_world_size())
 
 
 def _master_copy(p: torch.Tensor) -> torch.Tensor:
     master = p.detach().float().clone().requires_grad_(True)
-    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):  # what clipping reads
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared"):  # what clipping reads
         if hasattr(p, attr):
             setattr(master, attr, getattr(p, attr))
     return master
-
-
-GRAD_BUCKET_MB = 64
-"""Most gradient bytes per DP all-reduce: one collective per parameter is hundreds of small messages
-per step on a real model, each paying the full latency; one per bucket costs a copy in and out."""
-
-
-def plan_buckets(tensors: list[torch.Tensor], limit_bytes: int) -> list[list[int]]:
-    """Indices of `tensors` grouped into all-reduce buckets, each of one dtype and device and at most
-    `limit_bytes` (a tensor larger than that gets a bucket of its own), in parameter order. Pure, so
-    every rank plans the same buckets from the same parameters and issues the same collectives."""
-    done: list[list[int]] = []
-    filling: dict[tuple, tuple[list[int], int]] = {}
-    for i, t in enumerate(tensors):
-        key, size = (t.dtype, t.device), t.numel() * t.element_size()
-        members, used = filling.get(key, ([], 0))
-        if members and used + size > limit_bytes:
-            done.append(members)
-            members, used = [], 0
-        filling[key] = (members + [i], used + size)
-    done.extend(members for members, _ in filling.values())
-    return sorted(done, key=lambda bucket: bucket[0])
-
-
-def allreduce_bucketed(tensors: list[torch.Tensor], group, limit_bytes: int) -> None:
-    """In-place all-reduce SUM of `tensors` over `group`, one collective per `plan_buckets` bucket."""
-    for bucket in plan_buckets(tensors, limit_bytes):
-        members = [tensors[i] for i in bucket]
-        if len(members) == 1 and members[0].is_contiguous():
-            torch.distributed.all_reduce(members[0], group=group)
-            continue
-        flat = torch.cat([t.reshape(-1) for t in members])
-        torch.distributed.all_reduce(flat, group=group)
-        offset = 0
-        for t in members:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
 
 
 def response_aligned(prompt_lens: np.ndarray, values: list[np.ndarray], width: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from yatt_hpc.train.adamw import AdamW
+from yatt_hpc.train.grad_buckets import plan_buckets
 
 BROADCAST_BUCKET_MB = 64
 
@@ -118,8 +119,6 @@ class ShardedAdamW:
         self._broadcast()
 
     def _broadcast(self) -> None:
-        from yatt_hpc.train.policy import plan_buckets
-
         for owner, pieces in enumerate(self.plan):
             src = torch.distributed.get_global_rank(self.group, owner)
             views = [_rows(self.named[pc.name].data, pc) for pc in pieces]

@@ -196,9 +196,16 @@ def active(layout: SharedLayout) -> Iterator[None]:
         _ACTIVE.pop()
 
 
+def set_backward_layout(layout: SharedLayout | None) -> None:
+    """The layout a pipeline stage's recomputed layers attend on while a micro-batch's backward runs (the
+    1F1B schedule interleaves micro-batches, so no `active` block spans one's backward); None clears it."""
+    _ACTIVE[:] = [] if layout is None else [layout]
+
+
 def forward_shared(model, layout: SharedLayout, position_ids: torch.Tensor | None = None,
                    decoder_input: torch.Tensor | None = None) -> torch.Tensor:
-    """The model's logits [S, V_local] for every token of the stream (vocab-parallel like `forward_logits`).
+    """The model's logits [S, V_local] for every token of the stream (vocab-parallel like `forward_logits`);
+    a pipeline stage before the last gives its hidden states [S, 1, H] (`train/pipeline.py`).
     A vision-language model passes its M-RoPE `position_ids` [3, 1, S] and the stream's embeddings with
     the image features in (`decoder_input`, `megatron_model.vision_decoder_input`)."""
     # the core attention reads the layout, not the mask; Megatron only passes this one along
@@ -206,7 +213,7 @@ def forward_shared(model, layout: SharedLayout, position_ids: torch.Tensor | Non
     positions = layout.positions[None] if position_ids is None else position_ids
     with active(layout), _rotary_at(model, layout.positions):
         logits = model(layout.tokens[None], positions, unused_mask, decoder_input=decoder_input)
-    return logits[0]
+    return logits[0] if getattr(model, "post_process", True) else logits
 
 
 @contextlib.contextmanager

@@ -1,0 +1,82 @@
+"""Real `mpirun`: a pipeline-parallel trainer (Megatron's 1F1B schedule, `train/pipeline.py`) computes what the
+whole model on one rank computes.
+
+    .venv/bin/python -m pytest tests/mpi/test_pipeline.py -q
+
+tests/programs/pp_update.py runs one update of a tiny policy (its reference log-probs, its gradient with
+grad_clip 0, its weights after an AdamW step that follows the gradient) at tp1 pp1, tp1 pp2 and tp2 pp2, and
+the stages' tensors, merged under their HF names, are compared. A stage passes its hidden states to the next
+unchanged and computes its layers as the whole model would, so the forward is bitwise pp=1's; the gradients
+are too, except the tied word embeddings, whose two halves (the first stage's input embedding, the last
+stage's head) are summed by an all-reduce instead of inside one backward (a different order of two adds).
+tp2 adds the tensor-parallel reductions (float summation order, ~1e-6).
+"""
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+
+from tests.conftest import PYTHON, REPO, mpi_env
+
+CASES = ["qwen2-gqa-qkv-bias-tied", "gpt2-tied", "qwen3-qk-norm-untied-vocab61"]
+
+
+def _run(mpirun, out, case: str, tp: int, pp: int, *extra: str) -> None:
+    cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(tp * pp), PYTHON, "-m",
+           "tests.programs.pp_update", "--out", str(out), "--case", case, "--tp", str(tp), "--pp", str(pp), *extra]
+    proc = subprocess.run(cmd, env=mpi_env(), cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _merged(out, tp: int, pp: int) -> dict[str, np.ndarray]:
+    merged: dict[str, np.ndarray] = {}
+    for stage in range(pp):
+        part = dict(np.load(out / f"tp{tp}pp{pp}-stage{stage}.npz"))
+        assert not set(part) & set(merged), "two stages wrote the same tensor"
+        merged.update(part)
+    return merged
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max()) / max(float(np.abs(a).max()), 1e-30)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pp2_equals_pp1(mpirun, tmp_path, case):
+    _run(mpirun, tmp_path, case, 1, 1)
+    _run(mpirun, tmp_path, case, 1, 2)
+    whole, staged = _merged(tmp_path, 1, 1), _merged(tmp_path, 1, 2)
+    assert set(whole) == set(staged)
+    assert np.array_equal(np.load(tmp_path / "tp1pp1-logprobs.npy"), np.load(tmp_path / "tp1pp2-logprobs.npy"))
+    tied = {"grad.model.embed_tokens.weight", "weight.model.embed_tokens.weight", "grad.transformer.wte.weight",
+            "weight.transformer.wte.weight"}
+    for name in whole:
+        if name in tied:
+            assert _relative(whole[name], staged[name]) < 1e-6, name
+        else:
+            assert np.array_equal(whole[name], staged[name]), name
+    assert any(np.abs(v).max() > 0 for k, v in whole.items() if k.startswith("grad."))
+
+
+def test_tp2_pp2_equals_pp1(mpirun, tmp_path):
+    case = CASES[0]
+    _run(mpirun, tmp_path, case, 1, 1)
+    _run(mpirun, tmp_path, case, 2, 2)
+    whole, staged = _merged(tmp_path, 1, 1), _merged(tmp_path, 2, 2)
+    assert set(whole) == set(staged)
+    assert np.abs(np.load(tmp_path / "tp1pp1-logprobs.npy") - np.load(tmp_path / "tp2pp2-logprobs.npy")).max() < 1e-5
+    for name in whole:
+        assert _relative(whole[name], staged[name]) < 1e-5, name
+
+
+def test_shared_prompts_with_full_recompute_through_the_stages(mpirun, tmp_path):
+    """The shared-prompt stream's recomputed layers attend on their own micro-batch's layout although 1F1B
+    runs another micro-batch's forward between a forward and its backward."""
+    case = CASES[0]
+    _run(mpirun, tmp_path, case, 1, 1, "--share-prompts", "--recompute", "full")
+    _run(mpirun, tmp_path, case, 1, 2, "--share-prompts", "--recompute", "full")
+    whole, staged = _merged(tmp_path, 1, 1), _merged(tmp_path, 1, 2)
+    for name in whole:
+        assert _relative(whole[name], staged[name]) < 1e-6, name
