@@ -261,3 +261,30 @@ def test_logprob_and_entropy_gradients_equal_autograd_through_log_softmax():
     ref_logp, ref_entropy = _reference_logprobs_and_entropy(ref.double(), targets)
     (ref_logp * weights + ref_entropy * weights.flip(-1)).sum().backward()
     assert (ours.grad - ref.grad).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+@pytest.mark.parametrize("case", CASES)
+def test_pipeline_stages_split_and_merge_bitwise(case, tp_size):
+    """Two stages (one layer each): local layer names, the embeddings on the first, the head on the last; a tied
+    head's copy on the last stage is loaded from the embedding and never written back."""
+    hf = tiny_hf_model(case)
+    original = hf.state_dict()
+    stages = [[convert.hf_to_megatron(original, hf.config, r, tp_size, convert.Stage(s, 2)) for r in range(tp_size)]
+              for s in range(2)]
+    first, last = stages[0][0], stages[1][0]
+    assert all(not k.startswith("decoder.layers.") or k.startswith("decoder.layers.0.") for k in [*first, *last])
+    assert "embedding.word_embeddings.weight" in first and "embedding.word_embeddings.weight" not in last
+    assert "decoder.final_layernorm.weight" in last and "decoder.final_layernorm.weight" not in first
+    assert "output_layer.weight" in last  # its own head, or the tied embeddings' copy
+    if describe_hf_config(hf.config, tp_size).tied_embeddings:
+        assert torch.equal(last["output_layer.weight"], first["embedding.word_embeddings.weight"])
+    restored = convert.stages_to_hf(stages, hf.config)
+    assert sorted(restored) == sorted(original)
+    assert all(torch.equal(restored[name], original[name]) for name in original)
+
+
+def test_layers_that_do_not_split_into_the_stages_are_refused():
+    with pytest.raises(ValueError, match="2 layers do not split into 3 pipeline stages"):
+        convert.hf_to_megatron(tiny_hf_model("gpt2-tied").state_dict(), tiny_hf_model("gpt2-tied").config, 0, 1,
+                               convert.Stage(0, 3))

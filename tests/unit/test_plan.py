@@ -57,6 +57,20 @@ def test_dp_is_derived_when_null():
     assert p.group("trainer").layout == (("tp", 2), ("cp", 1), ("dp", 2), ("pp", 1))
 
 
+def test_pipeline_stages_are_the_slowest_axis():
+    """Megatron's rank order: tp fastest, then dp, then pp; a replica's stage owners are tp*dp ranks apart."""
+    from yatt_hpc.sched.routing import Routes
+
+    p = plan(cfg("demo_cpu.yaml", "placement.trainer.dp=null", "placement.trainer.tasks_per_node=8",
+                 "placement.trainer.tp=2", "placement.trainer.pp=2", "placement.mode=disjoint"))
+    trainer = p.group("trainer")
+    assert trainer.layout == (("tp", 2), ("cp", 1), ("dp", 2), ("pp", 2))
+    routes = Routes(p)
+    assert routes.stage_owners(0) == [trainer.rank_start, trainer.rank_start + 4]
+    assert routes.stage_owners(1) == [trainer.rank_start + 2, trainer.rank_start + 6]
+    assert routes.trainer_coords(trainer.rank_start + 6) == {"tp": 0, "cp": 0, "dp": 1, "pp": 1}
+
+
 IMPOSSIBLE = [
     pytest.param(("placement.trainer.tp=3",), "tp*cp*pp = 3*1*1 = 3 does not divide the group's 2 ranks",
         id="tp-not-dividing-ranks"),
@@ -67,8 +81,6 @@ IMPOSSIBLE = [
                   "placement.genrm.devices_per_task=1"), "does not divide devices_per_task=3",
         id="engine-tp-not-dividing-devices"),
     pytest.param(("placement.genrm.cp=2",), "context parallelism is a trainer feature", id="engine-cp"),
-    pytest.param(("placement.trainer.pp=2", "placement.trainer.dp=null"), "placement.trainer.pp=2: pipeline "
-        "parallelism is not implemented in the trainer", id="trainer-pp"),
     pytest.param(("placement.trainer.cp=2", "placement.trainer.dp=null"), "placement.trainer.cp=2: Megatron-Core's "
         "context parallelism needs Transformer Engine's attention", id="trainer-cp"),
     pytest.param(("placement.rollout.pp=2", "placement.rollout.devices_per_task=2"), "placement.rollout.pp=2: "

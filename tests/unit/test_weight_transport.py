@@ -147,3 +147,11 @@ def test_buckets_are_bounded_the_last_is_final_and_a_big_tensor_goes_alone():
     got = [([n for n, _ in bucket], final) for bucket, final in iter_buckets(iter(weights), limit=100)]
     assert got == [(["a", "b"], False), (["big"], False), (["c"], True)]
     assert list(iter_buckets(iter([]), limit=100)) == [([], True)]
+
+
+def test_a_pipelined_trainer_sends_over_mpi_and_refuses_collective():
+    """Every stage's owner sends its own layers (`Routes.stage_owners`): one sender per pair's group cannot."""
+    assert set(transports("qwen2_72b_disjoint_h200").values()) == {"mpi"}  # tp8 pp4: auto takes mpi
+    with pytest.raises(PlanError, match=r"rollout.weight_transport=collective with placement.trainer.pp=4: each "
+                                        r"pipeline stage's owner sends its own layers"):
+        transports("qwen2_72b_disjoint_h200", "rollout.weight_transport=collective")

@@ -3,8 +3,8 @@
     yatt-hpc ckpt export-hf runs/demo --step 20 --out runs/demo/hf-step-20
     export_hf(run_dir, step=20, out=Path("hf"), model_dir=None)    # the same, from Python
 
-Gathers every tensor-parallel shard (``model-tp{t}-pp0.safetensors``), merges them with
-``yatt_hpc.train.convert.megatron_to_hf`` and writes ``model.safetensors``. ``generation_config.json``
+Gathers every tensor shard of every pipeline stage (``model-tp{t}-pp{p}.safetensors``), merges them with
+``yatt_hpc.train.convert.stages_to_hf`` and writes ``model.safetensors``. ``generation_config.json``
 and the tokenizer files are copied from the original model directory, ``model.path`` of the config saved
 in the checkpoint (or ``model_dir`` when given); so is ``config.json``, with its dtype set to the dtype
 of the tensors written, so that a plain ``from_pretrained(out)`` loads the model as it was trained.
@@ -42,18 +42,16 @@ def _model_dir_from_config(config_yaml: str, step_dir: Path) -> Path:
     return Path(path)
 
 
-def _ordered_tp_shards(step_dir: Path) -> list[Path]:
+def _ordered_shards(step_dir: Path) -> list[list[Path]]:
+    """The parameter files as ``[pp][tp]``: every pipeline stage's tensor shards in order."""
     shards = layout.model_shards(step_dir)
     if not shards:
         raise CheckpointError(f"{step_dir} holds no model-tp*-pp*.safetensors files")
-    pps = sorted({pp for _, pp in shards})
-    if pps != [0]:
-        raise CheckpointError(f"{step_dir}: pipeline-parallel checkpoints (pp stages {pps}) cannot be "
-                              "exported yet; export a pp=1 checkpoint")
-    tps = sorted(tp for tp, _ in shards)
-    if tps != list(range(len(tps))):
-        raise CheckpointError(f"{step_dir}: tensor-parallel shards {tps} are not 0..{len(tps) - 1}")
-    return [shards[tp, 0] for tp in tps]
+    tps, pps = sorted({tp for tp, _ in shards}), sorted({pp for _, pp in shards})
+    if tps != list(range(len(tps))) or pps != list(range(len(pps))) or len(shards) != len(tps) * len(pps):
+        raise CheckpointError(f"{step_dir}: parameter files {sorted(p.name for p in shards.values())} are not "
+                              f"every (tp, pp) of tp 0..{len(tps) - 1} and pp 0..{len(pps) - 1}")
+    return [[shards[tp, pp] for tp in tps] for pp in pps]
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,7 +69,7 @@ def export_hf(run_dir: str | Path, step: int, out: str | Path, model_dir: str | 
     """Write ``out/model.safetensors`` (in ``dtype``, default the checkpoint's) + config and tokenizer files."""
     from transformers import AutoConfig
 
-    from yatt_hpc.train.convert import megatron_to_hf
+    from yatt_hpc.train.convert import stages_to_hf
 
     step_dir = layout.step_dir(layout.resolve_checkpoints_dir(run_dir), step)
     if not step_dir.is_dir():
@@ -85,8 +83,8 @@ def export_hf(run_dir: str | Path, step: int, out: str | Path, model_dir: str | 
         raise CheckpointError(f"{src} has no config.json (the original model directory is needed for the "
                               "config and tokenizer); pass --model-dir")
     hf_config = AutoConfig.from_pretrained(src)
-    shards = [load_file(str(p)) for p in _ordered_tp_shards(step_dir)]
-    hf_sd = megatron_to_hf(shards, hf_config, emit_tied_lm_head=False)
+    shards = [[load_file(str(p)) for p in stage] for stage in _ordered_shards(step_dir)]
+    hf_sd = stages_to_hf(shards, hf_config, emit_tied_lm_head=False)
     stored = _float_dtype(hf_sd)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")

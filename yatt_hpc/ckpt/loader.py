@@ -142,20 +142,28 @@ def read_optimizer(step_dir: Path, tp: int = 0, pp: int = 0) -> tuple[StateDict,
 
 # ------------------------------------------------------------------ another trainer layout
 #
-# Resuming a checkpoint with another trainer layout: the tensors of tensor shard `tp_rank` of `tp_size`
-# from a checkpoint written with `saved_tp` shards and any number of data-parallel ranks.
+# Resuming a checkpoint with another trainer layout: the tensors of shard (tp_rank, pp_rank) of a `Shards`
+# layout from a checkpoint written with another `Shards` and any number of data-parallel ranks.
 #
-#     model = reshard_weights(step_dir, hf_config, saved_tp=1, tp_rank=0, tp_size=2)
-#     optim, meta = reshard_optimizer(step_dir, hf_config, saved_tp=1, tp_rank=0, tp_size=2)
+#     model = reshard_weights(step_dir, hf_config, Shards(tp=1, pp=1), tp_rank=0, pp_rank=1, now=Shards(2, 2))
+#     optim, meta = reshard_optimizer(step_dir, hf_config, Shards(1, 1), 0, 1, Shards(2, 2))
 #
 # The data-parallel size needs no tensor work: parameters are the same on every DP rank, and the optimizer
 # state is read whole (`read_optimizer` puts a sharded optimizer's rows back together) for the new
-# ranks to keep what they own. A new tensor-parallel size goes through the HF layout: the saved shards are
-# merged as `ckpt export-hf` merges them and split as a fresh start splits an HF model
+# ranks to keep what they own. A new tensor or pipeline split goes through the HF layout: the saved shards
+# are merged as `ckpt export-hf` merges them and split as a fresh start splits an HF model
 # (`train/convert.py`). AdamW's moments and a bf16 run's fp32 masters have the parameters' shapes, so the
 # same merge and split apply to them, tensor by tensor. Every rank reads all saved shards of the tensors
 # it reshards: a resume's memory peak is the whole model's state once per rank (the data positions move in
 # `sched/overdispatch.py::relayout_positions`).
+
+
+@dataclass(frozen=True)
+class Shards:
+    """A trainer's model-parallel split: `tp` tensor shards in each of `pp` pipeline stages."""
+
+    tp: int = 1
+    pp: int = 1
 
 
 def _convert():
@@ -164,31 +172,36 @@ def _convert():
     return convert
 
 
-def _reshard(shards: list[StateDict], hf_config: Any, tp_rank: int, tp_size: int) -> StateDict:
+def _reshard(parts: list[list[StateDict]], hf_config: Any, tp_rank: int, pp_rank: int, now: Shards) -> StateDict:
+    """`parts[pp][tp]` (a saved layout's shards) merged to HF and split into shard (tp_rank, pp_rank) of `now`."""
     convert = _convert()  # torch and the model code: only a trainer rank that reshards imports them here
-    return convert.hf_to_megatron(convert.megatron_to_hf(shards, hf_config), hf_config, tp_rank, tp_size)
+    merged = convert.stages_to_hf(parts, hf_config)
+    return convert.hf_to_megatron(merged, hf_config, tp_rank, now.tp, convert.Stage(pp_rank, now.pp))
 
 
-def reshard_weights(step_dir: Path, hf_config: Any, saved_tp: int, tp_rank: int, tp_size: int) -> StateDict:
-    """Tensor shard `tp_rank` of `tp_size` of the parameters saved in `saved_tp` shards."""
-    if saved_tp == tp_size:
-        return read_weights(step_dir, tp_rank)
-    return _reshard([read_weights(step_dir, t) for t in range(saved_tp)], hf_config, tp_rank, tp_size)
+def reshard_weights(step_dir: Path, hf_config: Any, saved: Shards, tp_rank: int, pp_rank: int,
+                    now: Shards) -> StateDict:
+    """Shard (tp_rank, pp_rank) of `now` of the parameters saved in the `saved` layout."""
+    if saved == now:
+        return read_weights(step_dir, tp_rank, pp_rank)
+    parts = [[read_weights(step_dir, t, p) for t in range(saved.tp)] for p in range(saved.pp)]
+    return _reshard(parts, hf_config, tp_rank, pp_rank, now)
 
 
-def reshard_optimizer(step_dir: Path, hf_config: Any, saved_tp: int, tp_rank: int,
-                      tp_size: int) -> tuple[StateDict, dict[str, str]]:
-    """The whole-parameter optimizer state (``<param>.<key>``) of tensor shard `tp_rank` of `tp_size`."""
-    if saved_tp == tp_size:
-        return read_optimizer(step_dir, tp_rank)
-    parts = [read_optimizer(step_dir, t) for t in range(saved_tp)]
-    keys = sorted({k.rpartition(".")[2] for k in parts[0][0]} - {"step"})
+def reshard_optimizer(step_dir: Path, hf_config: Any, saved: Shards, tp_rank: int, pp_rank: int,
+                      now: Shards) -> tuple[StateDict, dict[str, str]]:
+    """The whole-parameter optimizer state (``<param>.<key>``) of shard (tp_rank, pp_rank) of `now`."""
+    if saved == now:
+        return read_optimizer(step_dir, tp_rank, pp_rank)
+    parts = [[read_optimizer(step_dir, t, p) for t in range(saved.tp)] for p in range(saved.pp)]
+    first = parts[0][0][0]
+    keys = sorted({k.rpartition(".")[2] for k in first} - {"step"})
     out: StateDict = {}
     for key in keys:  # exp_avg, exp_avg_sq, master: one parameter-shaped tensor per parameter
-        per_shard = [{k.rpartition(".")[0]: v for k, v in tensors.items() if k.rpartition(".")[2] == key}
-                     for tensors, _ in parts]
-        out.update({f"{name}.{key}": t for name, t in _reshard(per_shard, hf_config, tp_rank, tp_size).items()})
-    steps = [v for k, v in parts[0][0].items() if k.endswith(".step")]
+        per_shard = [[{k.rpartition(".")[0]: v for k, v in tensors.items() if k.rpartition(".")[2] == key}
+                      for tensors, _ in stage] for stage in parts]
+        out.update({f"{name}.{key}": t for name, t in _reshard(per_shard, hf_config, tp_rank, pp_rank, now).items()})
+    steps = [v for k, v in first.items() if k.endswith(".step")]
     if steps:  # one count for every parameter: the optimizer steps them together
         out.update({f"{name.rpartition('.')[0]}.step": steps[0] for name in out if name.endswith(".exp_avg")})
-    return out, parts[0][1]
+    return out, parts[0][0][1]

@@ -3,7 +3,7 @@
     sender = WeightSender(comm, pairs, bucket_mb=64, device="cuda:0")  # pairs: placement.weight_pairs(...)
     sent = sender.send(dests, policy.hf_weights())    # every TP rank drains the iterator (a TP gather)
     sent.nbytes, sent.mpi_bytes, sent.buckets
-    receive_weights(comm, source, engine, transport)  # an engine rank: one weight version, final bucket last
+    receive_weights(comm, sources, engine, transport) # an engine rank: one weight version, final bucket last
 
 The protocol, per destination, every message on TAG_WEIGHTS from its owner (ipc's answer back on
 TAG_WEIGHTS_DONE); `receive_weights` refuses a message of another transport, naming both:
@@ -167,8 +167,18 @@ def _unpack_mpi(body: dict, payload: np.ndarray) -> Bucket:
             for e in body["tensors"]]
 
 
-def receive_weights(comm, source: int, engine, transport: str) -> int:
-    """Load one weight version from `source` into `engine` by `transport`; returns the buckets taken."""
+def receive_weights(comm, sources: int | list[int], engine, transport: str) -> int:
+    """Load one weight version into `engine` by `transport`, from each of `sources` in turn (a pipelined
+    trainer's stage owners, first stage first: each sends its own layers, its last bucket marked final);
+    the engine sees one final bucket, the last source's. Returns the buckets taken."""
+    sources = [sources] if isinstance(sources, int) else list(sources)
+    taken = 0
+    for i, source in enumerate(sources):
+        taken += _receive_from(comm, source, engine, transport, last=i == len(sources) - 1)
+    return taken
+
+
+def _receive_from(comm, source: int, engine, transport: str, last: bool) -> int:
     buckets = 0
     while True:
         envelope, payload = recv_message(comm, source)
@@ -178,13 +188,14 @@ def receive_weights(comm, source: int, engine, transport: str) -> int:
             with ACTIVITY.waiting(f"join weight group {body['group_name']}"):
                 engine.join_weight_group(Rendezvous.from_dict(body))
             continue
+        final = bool(body["final"]) and last
         if transport == "mpi":
-            engine.update_weights(_unpack_mpi(body, payload), final=bool(body["final"]))
+            engine.update_weights(_unpack_mpi(body, payload), final=final)
         elif transport == "collective":
             with ACTIVITY.waiting(f"receive weights from {source}"):
                 engine.update_weights_from_group(BucketManifest.from_dict(body))
         else:
-            engine.update_weights(rebuild_ipc_bucket(payload), final=bool(body["final"]))
+            engine.update_weights(rebuild_ipc_bucket(payload), final=final)
             send_ints(comm, source, TAG_WEIGHTS_DONE, [len(body["names"])])
         ACTIVITY.progress("receive weights")
         buckets += 1

@@ -31,7 +31,8 @@ class GroupPlacement(Section):
     tp: int = Field(1, ge=1)
     """Tensor-parallel size."""
     pp: int = Field(1, ge=1)
-    """Pipeline-parallel size."""
+    """Pipeline-parallel size. Trainer: stages of an equal share of the layers each (Megatron's 1F1B schedule,
+    docs/scale.md); rollout and GenRM: must stay 1."""
     cp: int = Field(1, ge=1)
     """Context-parallel size (trainer only; must stay 1 for rollout and GenRM)."""
     dp: int | None = Field(None, ge=1)

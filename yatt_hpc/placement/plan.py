@@ -192,10 +192,6 @@ def _trainer_layout(gp: GroupPlacement) -> tuple[tuple[str, int], ...]:
     if gp.devices_per_task > 1:
         raise PlanError(f"{f}.devices_per_task={gp.devices_per_task}: a Megatron rank drives exactly one device; "
                         f"set {f}.devices_per_task=1 and {f}.tasks_per_node to the GPUs per node")
-    if gp.pp != 1:
-        raise PlanError(f"{f}.pp={gp.pp}: pipeline parallelism is not implemented in the trainer; set {f}.pp=1 and "
-                        "use tp (inside a node) and dp, with train.shard_optimizer=true to split the optimizer "
-                        "state over the dp ranks (docs/scale.md)")
     if gp.cp != 1:
         raise PlanError(f"{f}.cp={gp.cp}: Megatron-Core's context parallelism needs Transformer Engine's attention, "
                         "and the trainer builds Megatron's local (Transformer-Engine-free) layers; set "

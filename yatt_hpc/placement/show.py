@@ -48,20 +48,34 @@ def what_runs(cfg: RunConfig) -> list[str]:
 
 
 def trainer_state_text(p: Plan, cfg: RunConfig) -> str:
-    """What each trainer rank holds per parameter P of the model, with the layout and train.shard_optimizer."""
+    """What each trainer rank holds per parameter P of the model, with the layout and train.shard_optimizer:
+    its tensor shard of its pipeline stage, 1/(tp*pp) of the model."""
     g = p.group("trainer")
-    tp, dp = g.size("tp"), g.size("dp")
+    tp, dp, pp = g.size("tp"), g.size("dp"), g.size("pp")
+    mp = tp * pp
     bf16 = cfg.model.dtype == "bfloat16"
     weights, optim = (2, 12) if bf16 else (4, 8)  # bf16: 2-byte weights and grads; fp32 masters + 2 moments
     what = "fp32 masters and AdamW moments" if bf16 else "AdamW moments"
     if cfg.train.shard_optimizer and dp > 1:
-        held = f"{what} {optim}P/{tp * dp} (sharded over dp={dp}: train.shard_optimizer)"
+        held = f"{what} {optim}P/{mp * dp} (sharded over dp={dp}: train.shard_optimizer)"
     else:
-        held = f"{what} {optim}P/{tp}" + (f" (the same on each of dp={dp}; train.shard_optimizer=true splits them)"
+        held = f"{what} {optim}P/{mp}" + (f" (the same on each of dp={dp}; train.shard_optimizer=true splits them)"
                                            if dp > 1 else "")
-    ref = f", reference {weights}P/{tp}" if cfg.train.kl_coef > 0 else ""
-    grads = f"gradients {weights}P/{tp}" + (f" (fp32 for the update: 4P/{tp})" if bf16 else "")
-    return f"trainer rank state (bytes, P = parameters): weights {weights}P/{tp}, {grads}{ref}, {held}"
+    ref = f", reference {weights}P/{mp}" if cfg.train.kl_coef > 0 else ""
+    grads = f"gradients {weights}P/{mp}" + (f" (fp32 for the update: 4P/{mp})" if bf16 else "")
+    return f"trainer rank state (bytes, P = parameters): weights {weights}P/{mp}, {grads}{ref}, {held}"
+
+
+def pipeline_text(p: Plan) -> str | None:
+    """The trainer's pipeline stages and what each holds (None without pipeline parallelism)."""
+    g = p.group("trainer")
+    pp, stride = g.size("pp"), g.size("tp") * g.size("cp") * g.size("dp")
+    if pp == 1:
+        return None
+    ranks = ", ".join(f"{s}: trainer ranks {s * stride}-{(s + 1) * stride - 1}" for s in range(pp))
+    return (f"pipeline: pp={pp} stages of 1/{pp} of the layers each ({ranks}); stage 0 also holds the embeddings, "
+            f"stage {pp - 1} the final norm and the head; Megatron's 1F1B schedule keeps up to pp-s micro-batches' "
+            f"activations on stage s; each stage's tp-rank-0 of a replica sends its own layers to the engines")
 
 
 def weight_sync_text(p: Plan, cfg: RunConfig) -> str:
@@ -78,7 +92,9 @@ def weight_sync_text(p: Plan, cfg: RunConfig) -> str:
 def print_plan(p: Plan, run_dir: str, console: Console, python: str = "python3", cfg: RunConfig | None = None) -> None:
     console.print(plan_table(p))
     console.print("leader (decisions only): world rank 0 = trainer rank 0")
-    for line in [*what_runs(cfg), trainer_state_text(p, cfg), weight_sync_text(p, cfg)] if cfg is not None else ():
+    lines = [*what_runs(cfg), trainer_state_text(p, cfg), pipeline_text(p), weight_sync_text(p, cfg)] \
+        if cfg is not None else []
+    for line in filter(None, lines):
         console.print(line, markup=False, highlight=False)
     if p.node_cpus is not None:
         threads = ", ".join(f"{g.name} {p.phase_threads(g.name)[1]}" for g in p.groups)

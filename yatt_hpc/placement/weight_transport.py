@@ -17,7 +17,8 @@ the split), so each (owner, destination) pair is fixed for the run and can hold 
                 and the engine hands the tensors to SGLang's update_weights_from_tensor
 
 `auto` picks, on GPU with the sglang engine, collective for a destination whose (node, GPUs) do not
-overlap its owner's and ipc for one that does; on CPU, or with the hf engine, mpi.
+overlap its owner's and ipc for one that does; on CPU, with the hf engine, or with a pipelined trainer
+(`placement.trainer.pp > 1`: every stage's owner sends its own layers, `Routes.stage_owners`), mpi.
 """
 from __future__ import annotations
 
@@ -81,15 +82,20 @@ def weight_pairs(plan: Plan, setting: str, engine: str) -> dict[int, WeightPair]
 
 def _transport(plan: Plan, setting: str, engine: str, owner: int, dest: int, shared: tuple[int, ...]) -> str:
     owner_gpu, dest_gpu = bool(plan.device_ids(owner)), bool(plan.device_ids(dest))
+    pipelined = plan.group("trainer").size("pp") > 1
     if setting == "mpi":
         return "mpi"
     if setting == "auto":
-        if not (owner_gpu and dest_gpu and engine == "sglang"):
+        if pipelined or not (owner_gpu and dest_gpu and engine == "sglang"):
             return "mpi"
         return "ipc" if shared else "collective"
     if setting != "collective":
         raise PlanError(f"{FIELD}={setting!r} is not one of auto, mpi, collective; pick one of them")
     where = f"{plan.group_of(dest)} rank {dest}"
+    if pipelined:
+        raise PlanError(f"{FIELD}=collective with placement.trainer.pp={plan.group('trainer').size('pp')}: each "
+                        "pipeline stage's owner sends its own layers, and a pair's group has one sender; set "
+                        f"{FIELD}=mpi (or auto, which takes mpi with pipeline stages)")
     if owner_gpu != dest_gpu:
         raise PlanError(f"{FIELD}=collective: {where} runs on {'GPU' if dest_gpu else 'CPU'} but its trainer owner "
                         f"(world rank {owner}) on {'GPU' if owner_gpu else 'CPU'}, and one pair's group has one "

@@ -253,10 +253,10 @@ class RolloutController(BaseController):
     def receive_weights(self) -> None:
         # In colocation the engine stays released: an update while released restores only the
         # weights, and the next resume_memory() adds the KV cache after them (lower peak).
-        source = self.routes.trainer_owner(self.routes.weight_source_for(self.world.rank))
-        wait_for_message(self.world.comm, source, TAG_WEIGHTS)  # idle until training is done
+        sources = self.routes.stage_owners(self.routes.weight_source_for(self.world.rank))  # one per pipeline stage
+        wait_for_message(self.world.comm, sources[0], TAG_WEIGHTS)  # idle until training is done
         with self.stats.phase("weight_sync"):
-            receive_weights(self.world.comm, source, self.engine, self.weight_transport)
+            receive_weights(self.world.comm, sources, self.engine, self.weight_transport)
 
     def close(self) -> None:
         self.engine.shutdown()

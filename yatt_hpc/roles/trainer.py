@@ -40,7 +40,7 @@ from mpi4py import MPI
 
 from yatt_hpc.batch import SampleBatch, image_columns
 from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
-from yatt_hpc.ckpt.loader import reshard_optimizer, reshard_weights
+from yatt_hpc.ckpt.loader import Shards, reshard_optimizer, reshard_weights
 from yatt_hpc.comm.doorbell import DOORBELL
 from yatt_hpc.comm.prompt_routing import build_router
 from yatt_hpc.comm.rebalance import Rebalancer
@@ -76,8 +76,9 @@ class TrainerController(BaseController):
         self.world, self.cfg, self.stats = world, cfg, stats
         self.routes = Routes(world.plan)
         coords = self.routes.trainer_coords(world.rank)
-        self.dp_rank, self.tp_rank = coords["dp"], coords["tp"]
-        self.is_owner = coords["tp"] == 0 and coords["cp"] == 0 and coords["pp"] == 0
+        self.dp_rank, self.tp_rank, self.pp_rank = coords["dp"], coords["tp"], coords["pp"]
+        self.is_stage_owner = coords["tp"] == 0 and coords["cp"] == 0  # sends its pipeline stage's weights
+        self.is_owner = self.is_stage_owner and coords["pp"] == 0
         self.replica_comm = world.group_comm.Split(self.dp_rank, world.group_rank)
         self.n = cfg.rollout.samples_per_prompt
         self.per_replica = cfg.train.prompts_per_step // self.routes.dp
@@ -97,10 +98,10 @@ class TrainerController(BaseController):
         self.source = build_prompt_source(cfg.data, self.tokenizer, require_answer=cfg.reward.mode != "rm_only",
                                           images=images)
         addr, port = self._rendezvous()
-        tp = world.plan.group("trainer").size("tp")
+        tp, self.pp = world.plan.group("trainer").size("tp"), world.plan.group("trainer").size("pp")
         device = rank_device(world)
         megatron_model.initialize_model_parallel(world.group_rank, world.group_comm.Get_size(), addr, port,
-                                                 tp_size=tp, seed=cfg.train.seed,
+                                                 tp_size=tp, pp_size=self.pp, seed=cfg.train.seed,
                                                  cuda_device=torch.device(device).index)
         megatron_model.check_groups(world.plan.group("trainer"))
         torch.manual_seed(cfg.train.seed)
@@ -117,8 +118,8 @@ class TrainerController(BaseController):
         self.colocate = world.plan.mode == "colocate"
         if self.colocate:
             self.policy.release_memory()  # rollout and GenRM take the devices first each step
-        log.info("trainer dp=%d tp=%d owner=%s ready; update forward: %s", self.dp_rank, self.tp_rank,
-                 self.is_owner, self.policy.layout_note)
+        log.info("trainer dp=%d tp=%d pp=%d owner=%s ready; update forward: %s", self.dp_rank, self.tp_rank,
+                 self.pp_rank, self.is_owner, self.policy.layout_note)
 
     def _rendezvous(self) -> tuple[str, int]:
         """Trainer rank 0 picks the torch.distributed address; everyone learns it over MPI."""
@@ -374,8 +375,11 @@ class TrainerController(BaseController):
         targets = self.routes.weight_targets_of(self.dp_rank)
         if not targets:
             return
-        dests = targets if self.is_owner else []
+        dests = targets if self.is_stage_owner else []  # each pipeline stage's owner sends its own layers
         sent = self.weights_out.send(dests, self.policy.hf_weights())  # each engine by its pair's transport
+        if self.pp > 1:  # the replica's owner reports what every stage sent
+            sent = type(sent)(*np.asarray(self.replica_comm.allreduce(
+                np.array(sent if self.is_stage_owner else (0, 0, 0), np.int64)), np.int64).tolist())
         self.stats.add("weight_sync_bytes", sent.nbytes)
         self.stats.add("weight_sync_mpi_bytes", sent.mpi_bytes)
         self.stats.values["weight_sync_buckets"] = float(sent.buckets)  # of one sync, per destination
@@ -384,11 +388,11 @@ class TrainerController(BaseController):
 
     @property
     def identity(self) -> str:
-        return f"trainer/dp{self.dp_rank}/tp{self.tp_rank}/pp0"
+        return f"trainer/dp{self.dp_rank}/tp{self.tp_rank}/pp{self.pp_rank}"
 
     @property
     def shard(self) -> dict[str, int]:
-        return {"tp": self.tp_rank, "pp": 0}
+        return {"tp": self.tp_rank, "pp": self.pp_rank}
 
     def light_state(self, step: int) -> dict:
         """RNG, data position (with returned prompts), sampler and routing state: all that changes
@@ -408,7 +412,7 @@ class TrainerController(BaseController):
         if self.dp_rank == 0:
             params = self.policy.checkpoint_tensors()
         optim, meta = self.policy.optimizer_state()
-        return RankState(self.identity, {"dp": self.dp_rank, "tp": self.tp_rank, "pp": 0}, model=params,
+        return RankState(self.identity, {"dp": self.dp_rank, "tp": self.tp_rank, "pp": self.pp_rank}, model=params,
                          optim=optim, optim_meta=meta, **(light if light is not None else self.light_state(step)))
 
     def watch_mutations(self, guard) -> None:
@@ -417,7 +421,7 @@ class TrainerController(BaseController):
 
     def restore(self, restored) -> None:
         saved = restored.trainer_layout
-        now = {"dp": self.routes.dp, "tp": self.world.plan.group("trainer").size("tp"), "pp": 1}
+        now = {"dp": self.routes.dp, "tp": self.world.plan.group("trainer").size("tp"), "pp": self.pp}
         if saved == now:
             self.policy.load_checkpoint_tensors(restored.model)
             self.policy.load_optimizer_state(restored.optim, restored.optim_meta)
@@ -439,18 +443,17 @@ class TrainerController(BaseController):
         optimizer state resharded (`ckpt/loader.py`), this replica's share of the prompts no replica has
         consumed (`relayout_positions`); the sampler, routing and KL state of the saved first replica. The RNG
         stays as a fresh start seeds it (sampling seeds come from the sample ids, not from it)."""
-        if saved["pp"] != 1:
-            raise InputError(f"checkpoint step-{restored.step} was written with trainer pp={saved['pp']}; this "
-                             "yatt-hpc trains with pp=1 only: resume it with the version that wrote it")
-        model = reshard_weights(restored.step_dir, self.policy.hf_config, saved["tp"], self.tp_rank, now["tp"])
+        saved_shards, shard = Shards(saved["tp"], saved["pp"]), Shards(now["tp"], now["pp"])
+        model = reshard_weights(restored.step_dir, self.policy.hf_config, saved_shards, self.tp_rank, self.pp_rank, shard)
         self.policy.load_checkpoint_tensors(model)
-        optim, meta = reshard_optimizer(restored.step_dir, self.policy.hf_config, saved["tp"], self.tp_rank,
-                                        now["tp"])
+        optim, meta = reshard_optimizer(restored.step_dir, self.policy.hf_config, saved_shards, self.tp_rank,
+                                        self.pp_rank, shard)
         self.policy.load_optimizer_state(optim, meta)
-        replicas = sorted((r for r in restored.trainers if r.coords.get("tp", 0) == 0), key=lambda r: r.coords["dp"])
+        replicas = sorted((r for r in restored.trainers if r.coords.get("tp", 0) == 0 and r.coords.get("pp", 0) == 0),
+                          key=lambda r: r.coords["dp"])
         positions = relayout_positions([r.data_position for r in replicas], now["dp"])
-        log.info("resumed checkpoint step %d written with trainer dp=%d tp=%d into dp=%d tp=%d",
-                 restored.step, saved["dp"], saved["tp"], now["dp"], now["tp"])
+        log.info("resumed checkpoint step %d written with trainer dp=%d tp=%d pp=%d into dp=%d tp=%d pp=%d",
+                 restored.step, saved["dp"], saved["tp"], saved["pp"], now["dp"], now["tp"], now["pp"])
         return positions[self.dp_rank], replicas[0]
 
     def rewind_logs(self, step: int) -> None:

@@ -41,10 +41,8 @@ def check_model_arch(cfg: RunConfig) -> None:
                          f"(or model.arch={found}), or point model.path at a {cfg.model.arch} model")
 
 
-def check_recompute_layers(cfg: RunConfig) -> None:
-    """`train.recompute_num_layers` must fit the policy's layer count (config.json, or its text_config)."""
-    if cfg.train.recompute != "full":
-        return
+def _policy_layers(cfg: RunConfig) -> tuple[int | None, Path, dict]:
+    """The policy's transformer layer count (config.json, or its text_config), the file, and the config."""
     path = Path(cfg.model.path) / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -52,14 +50,41 @@ def check_recompute_layers(cfg: RunConfig) -> None:
         raise InputError(f"model.path={cfg.model.path!r}: config.json cannot be read ({err})") from None
     text = config.get("text_config") or config
     layers = text.get("num_hidden_layers", text.get("n_layer"))
-    problem = None if layers is None else recompute_layers_problem(cfg.train, int(layers))
+    return (None if layers is None else int(layers)), path, config
+
+
+def check_pipeline_stages(cfg: RunConfig) -> None:
+    """`placement.trainer.pp` must split the policy's layers evenly (Megatron's uniform stages), and a
+    vision-language policy trains on one stage."""
+    pp = cfg.placement.trainer.pp
+    if pp == 1:
+        return
+    layers, path, config = _policy_layers(cfg)
+    if "vision_config" in config:
+        raise InputError(f"placement.trainer.pp={pp}: pipeline parallelism with a vision-language policy "
+                         f"({path}) is not supported; set placement.trainer.pp=1 and use tp and dp")
+    if layers is not None and layers % pp:
+        divisors = [d for d in range(1, layers + 1) if layers % d == 0]
+        raise InputError(f"placement.trainer.pp={pp} does not divide the policy's {layers} transformer layers "
+                         f"({path}): each pipeline stage holds the same number; set placement.trainer.pp to one "
+                         f"of {divisors}")
+
+
+def check_recompute_layers(cfg: RunConfig) -> None:
+    """`train.recompute_num_layers` must fit the layers of a pipeline stage (all of them without pp)."""
+    if cfg.train.recompute != "full":
+        return
+    layers, path, _ = _policy_layers(cfg)
+    pp = cfg.placement.trainer.pp
+    problem = None if layers is None or layers % pp else recompute_layers_problem(cfg.train, layers // pp)
     if problem:
-        raise InputError(f"{problem} ({path})")
+        raise InputError(f"{problem}{' (per pipeline stage)' if pp > 1 else ''} ({path})")
 
 
 def check_model_dirs(cfg: RunConfig) -> None:
     check_model_dir(cfg.model.path, "model.path")
     check_model_arch(cfg)
+    check_pipeline_stages(cfg)
     check_recompute_layers(cfg)
     if cfg.reward.mode != "rule_only":
         check_model_dir(cfg.reward.genrm_path, "reward.genrm_path")

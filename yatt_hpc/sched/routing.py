@@ -50,6 +50,13 @@ class Routes:
         tp, cp = t.size("tp"), t.size("cp")
         return t.rank_start + dp * tp * cp
 
+    def stage_owners(self, dp: int) -> list[int]:
+        """World ranks of trainer replica `dp`'s pipeline stage owners (tp=cp=0 of each stage), first stage first:
+        each sends its stage's layers to the engines. Without pipeline parallelism, `[trainer_owner(dp)]`."""
+        t = self.plan.group("trainer")
+        stride = t.size("tp") * t.size("cp") * t.size("dp")
+        return [self.trainer_owner(dp) + s * stride for s in range(t.size("pp"))]
+
     def trainer_coords(self, world_rank: int) -> dict[str, int]:
         t = self.plan.group("trainer")
         return t.coords(world_rank - t.rank_start)
