@@ -17,6 +17,10 @@ ranks on one device, full colocation), so every engine runs inside the MPI world
   sglang-collective  2 GPUs (SKIP with fewer): partial, trainer tp2 on GPUs 0-1, two SGLang rollout engines
                  on GPUs 0 and 1: auto sends GPU 1's by NCCL broadcast (init_weights_update_group,
                  update_weights_from_distributed) and GPU 0's by CUDA IPC (logprob gap; MPI carried no tensor)
+  recompute-budget  the demo loop with train.recompute=full and train.max_tokens_per_micro_batch on CUDA
+  sharded-optim  2 GPUs (SKIP with fewer): partial, trainer dp2 with train.shard_optimizer over NCCL
+  pp-nccl        2 GPUs (SKIP with fewer): tests/programs/pp_update.py at pp1 and pp2 (NCCL point to point
+                 between the stages): the stages' log-probs and gradients equal the one-stage model's
   sglang-abort   the same with over-dispatch: the engine's abort cuts stragglers (rollout/aborted > 0)
   sglang-sigterm SIGTERM mid-run on the SGLang run: the ranks still agree, save and exit 0 with a checkpoint
 """
@@ -118,6 +122,34 @@ def check_transport(out: Path, name: str, extra: list[str], gpus: int = 1, steps
                 f"{moved:.0f} per sync, over MPI at most {over_mpi:.0f}, sync {rows[-1]['time/weight_sync']:.3f}s")
 
 
+def check_pipeline(out: Path) -> bool:
+    """One update of a tiny Qwen2.5-shaped policy on one GPU (pp1) and over two (pp2, NCCL p2p): the merged
+    stages' log-probs and gradients against the one-stage model's."""
+    import numpy as np
+    import torch
+
+    name = "pp-nccl"
+    if torch.cuda.device_count() < 2:
+        return line(name, "SKIP", f"needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    where = out / name
+    where.mkdir(parents=True, exist_ok=True)
+    mpirun = shutil.which("mpirun") or "mpirun"
+    for pp in (1, 2):
+        proc = subprocess.run([mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(pp), PY, "-m",
+                               "tests.programs.pp_update", "--out", str(where), "--case", "qwen2-gqa-qkv-bias-tied",
+                               "--pp", str(pp)], cwd=REPO, capture_output=True, text=True, timeout=300)
+        (where / f"pp{pp}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            return line(name, "FAIL", f"pp{pp} exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+    whole = dict(np.load(where / "tp1pp1-stage0.npz"))
+    staged = {**np.load(where / "tp1pp2-stage0.npz"), **np.load(where / "tp1pp2-stage1.npz")}
+    logp = float(np.abs(np.load(where / "tp1pp1-logprobs.npy") - np.load(where / "tp1pp2-logprobs.npy")).max())
+    worst = max(float(np.abs(whole[k] - staged[k]).max()) / max(float(np.abs(whole[k]).max()), 1e-30) for k in whole)
+    ok = set(whole) == set(staged) and logp < 1e-5 and worst < 1e-4
+    return line(name, "PASS" if ok else "FAIL", f"log-prob max diff {logp:.2e} (bound 1e-5), gradient/weight max "
+                f"relative diff {worst:.2e} (bound 1e-4)")
+
+
 def check_abort(out: Path) -> bool:
     name = "sglang-abort"
     code, rows = run(out, name, 4, SGLANG + ["--set", "rollout.over_dispatch_ratio=1.5"], timeout=240)
@@ -150,6 +182,12 @@ def check_sigterm(out: Path) -> bool:
                 f"committed {committed}")
 
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def main() -> int:
     global CONFIG
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -164,6 +202,12 @@ def main() -> int:
               "hf-fp32": lambda: check_demo(out, "hf-fp32", [], gap=1e-4),
               "bf16-train": lambda: check_demo(out, "bf16-train", ["--set", "model.dtype=bfloat16"], gap=0.5),
               "sglang-world": lambda: check_demo(out, "sglang-world", SGLANG + MPI_WEIGHTS, gap=0.5),
+              "recompute-budget": lambda: check_demo(out, "recompute-budget", [
+                  "--set", "train.recompute=full", "--set", "train.max_tokens_per_micro_batch=256"], gap=1e-4),
+              "sharded-optim": lambda: check_demo(out, "sharded-optim", TWO_GPUS + [  # trainer dp2 instead of tp2
+                  "--set", "placement.trainer.tp=1", "--set", "train.shard_optimizer=true"], gap=1e-4)
+              if _gpus() >= 2 else line("sharded-optim", "SKIP", f"needs 2 GPUs, this machine has {_gpus()}"),
+              "pp-nccl": lambda: check_pipeline(out),
               "sglang-ipc": lambda: check_transport(out, "sglang-ipc", SGLANG),
               "sglang-collective": lambda: check_transport(out, "sglang-collective", SGLANG + TWO_GPUS, gpus=2),
               "sglang-abort": lambda: check_abort(out),

@@ -135,7 +135,7 @@ def test_sampling_temperature_is_the_temperature_the_trainer_scores_at(tmp_path)
     assert rows[0]["train/rollout_logp_diff_max"] < 1e-4
     genrm_log = (tmp_path / "run" / "logs" / "rank-0003-genrm.log").read_text()
     assert "done: complete (loaded: no torch)" in genrm_log, genrm_log[-2000:]
-    # a trainer steps its optimizer and checkpoints without ever importing torch._dynamo (train/adamw.py)
+    # a trainer steps its optimizer and checkpoints without ever importing torch._dynamo (optim/adamw.py)
     # or transformers (the demo's config.json read as written); the engine serves the demo's GPT-2 natively
     trainer_log = (tmp_path / "run" / "logs" / "rank-0000-trainer.log").read_text()
     assert "done: complete (loaded: torch, megatron.core)" in trainer_log, trainer_log[-2000:]

@@ -1,4 +1,4 @@
-"""The trainer's AdamW (yatt_hpc/train/adamw.py) is torch.optim.AdamW's update without torch.optim's
+"""The trainer's AdamW (yatt_hpc/optim/adamw.py) is torch.optim.AdamW's update without torch.optim's
 machinery: bit for bit the same parameters and state, the same checkpoint tensors, and no torch._dynamo."""
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import torch
 
 from tests.conftest import REPO
 from yatt_hpc.ckpt import load_optimizer_tensors, optimizer_tensors
-from yatt_hpc.train.adamw import AdamW
+from yatt_hpc.optim.adamw import AdamW
 
 HYPER = {"lr": 3e-3, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.05}
 
@@ -108,7 +108,7 @@ def test_a_state_for_another_parameter_count_is_refused():
 
 
 def test_stepping_and_checkpointing_never_import_torch_dynamo():
-    code = ("import sys, torch; from yatt_hpc.train.adamw import AdamW; "
+    code = ("import sys, torch; from yatt_hpc.optim.adamw import AdamW; "
             "p = [torch.nn.Parameter(torch.ones(3))]; o = AdamW(p, lr=0.1); p[0].grad = torch.ones(3); o.step(); "
             "o.load_state_dict(o.state_dict()); o.zero_grad(); print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)

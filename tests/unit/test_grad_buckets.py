@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from yatt_hpc.train.grad_buckets import allreduce_bucketed, plan_buckets
+from yatt_hpc.optim.buckets import allreduce_bucketed, plan_buckets
 
 F32, BF16 = torch.float32, torch.bfloat16
 

@@ -20,7 +20,8 @@ ALLOWED = {
                 "placement"},
     "demo": set(),
     "rollout": {"metrics.activity", "device", "vision"},  # engines join a weight pair's group (device.weight_group)
-    "train": {"algos", "metrics.activity", "ckpt.optim", "batch", "config", "device", "vision", "models"},
+    "train": {"algos", "metrics.activity", "ckpt.optim", "batch", "config", "device", "vision", "models", "optim"},
+    "optim": set(),  # the optimizer: torch only
     "algos": set(),  # the formulas: a leaf, and no process group in it (test below)
     "reward": {"rollout", "data", "vision", "models"},  # the judge runs on a rollout engine with the tokenizer data/ loads
     "data": {"config", "demo", "vision"},

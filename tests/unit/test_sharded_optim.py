@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from yatt_hpc.ckpt.optim import assemble_state
+from yatt_hpc.optim.adamw import AdamW
+from yatt_hpc.optim.sharded import Piece, shard_pieces
 from yatt_hpc.sched.overdispatch import PromptQueue, relayout_positions
-from yatt_hpc.train.adamw import AdamW
-from yatt_hpc.train.sharded_optim import Piece, shard_pieces
 
 
 def test_the_split_cuts_the_flat_layout_at_the_nearest_rows():

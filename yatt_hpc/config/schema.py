@@ -213,7 +213,7 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, ge=0)
     """Global gradient-norm clip; 0 disables clipping."""
     shard_optimizer: bool = False
-    """ZeRO stage 1 (`train/sharded_optim.py`): split AdamW's moments (and a bf16 model's fp32 masters) over the
+    """ZeRO stage 1 (`optim/sharded.py`): split AdamW's moments (and a bf16 model's fp32 masters) over the
     data-parallel ranks, each updating its rows and broadcasting them; bitwise the same weights as unsharded,
     8 (fp32) or 12 (bf16) bytes per parameter become that / dp. Checkpoints hold one shard per DP rank."""
     balance: Literal["flops", "tokens", "none"] = "flops"

@@ -8,7 +8,7 @@ with ``torch.compile`` imports ``torch._dynamo`` and ``torch._inductor``: measur
 megatron.core.models.gpt`` takes 8.6 s with it and 3.3 s without; a trainer rank's whole start
 (Megatron, our modules, an AdamW) went from 9.9 s to 7.3 s, on every rank at every start. (``torch.optim``
 would import ``torch._dynamo`` anyway, from ``_disable_dynamo`` around its methods: the trainer's AdamW
-is ``train/adamw.py``, which does not.)
+is ``optim/adamw.py``, which does not.)
 
 So the first import of ``megatron.core`` in a process runs with ``torch.compile`` replaced by a
 decorator that calls the real ``torch.compile`` on the decorated function's first call, with the same

@@ -1,4 +1,4 @@
-"""The trainer's policy: a Megatron-Core GPTModel shard, AdamW (`train/adamw.py`), and one RL update on a batch.
+"""The trainer's policy: a Megatron-Core GPTModel shard, AdamW (`optim/adamw.py`), and one RL update on a batch.
 
     policy = MegatronPolicy.from_hf(model_dir, tp_rank, tp_size, cfg.train)   # after initialize_model_parallel
     policy.set_lr(lr)                                                         # this step's rate
@@ -50,13 +50,13 @@ from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.device.offload import HostParking
 from yatt_hpc.metrics.activity import ACTIVITY
 from yatt_hpc.models.hf_config import load_hf_config
+from yatt_hpc.optim.adamw import AdamW
+from yatt_hpc.optim.buckets import GRAD_BUCKET_MB, allreduce_bucketed
+from yatt_hpc.optim.sharded import ShardedAdamW
 from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
-from yatt_hpc.train.adamw import AdamW
-from yatt_hpc.train.grad_buckets import GRAD_BUCKET_MB, allreduce_bucketed
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
 from yatt_hpc.train.pipeline import PipelineStages, sync_tied_embeddings
-from yatt_hpc.train.sharded_optim import ShardedAdamW
 from yatt_hpc.train.step_plan import UpdatePlan, forward_tokens, micro_batches, whole_batch_plan
 from yatt_hpc.vision.processor import ImageProcessor
 
@@ -493,7 +493,7 @@ class MegatronPolicy:
 
     def optimizer_state(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """This rank's optimizer file: ``{"<param>.<key>": tensor}`` and metadata (`yatt_hpc.ckpt.optim`); a
-        sharded optimizer's rows carry their ranges (`train/sharded_optim.py`)."""
+        sharded optimizer's rows carry their ranges (`optim/sharded.py`)."""
         if self.sharded:
             return self.optimizer.state_tensors()
         return optimizer_tensors(self.optimizer, self.master.items())

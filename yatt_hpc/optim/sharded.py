@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from yatt_hpc.train.adamw import AdamW
-from yatt_hpc.train.grad_buckets import plan_buckets
+from yatt_hpc.optim.adamw import AdamW
+from yatt_hpc.optim.buckets import plan_buckets
 
 BROADCAST_BUCKET_MB = 64
 
