@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from yatt_hpc.config.cluster import HealthConfig, SlurmConfig
+from yatt_hpc.config.off_policy import OffPolicyConfig
 from yatt_hpc.config.placement import PlacementConfig
 from yatt_hpc.config.reward import RewardConfig, RewardTerm  # noqa: F401  (the reward section; re-exported)
 from yatt_hpc.config.section import Section
@@ -242,6 +243,8 @@ class TrainConfig(Section):
     """`recompute: full` only (Megatron's recompute_num_layers): layers per checkpointed chunk (`uniform`) or
     layers recomputed (`block`); at most the model's layer count, and a divisor of it for `uniform` (checked when
     the trainer builds the model)."""
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
+    """The ratio's old policy and the engine/trainer importance-weight correction (`config/off_policy.py`)."""
     train_vision_tower: bool = False
     """Vision-language policies (Qwen2-VL): train the vision tower too (it is then in the optimizer, the
     data-parallel all-reduce and the weight sync); false keeps it frozen at the checkpoint's weights and

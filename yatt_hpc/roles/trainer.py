@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from yatt_hpc.algos.off_policy import importance_weights
 from yatt_hpc.batch import SampleBatch, image_columns
 from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
 from yatt_hpc.ckpt.loader import Shards, reshard_optimizer, reshard_weights
@@ -174,7 +175,12 @@ class TrainerController(BaseController):
                            reduce=self.sum_over_replicas, kl_coef=0.0 if tc.kl_in_reward else self.kl.coef)
         lr = step_lr(step, tc)
         self.policy.set_lr(lr)
-        update = self.policy.update(batch, adv.values, plan)
+        values, gap = adv.values, None
+        if tc.off_policy.proximal == "recompute":  # decoupled PPO: the ratio against the trainer's own weights
+            batch, values, gap = self.off_policy(batch, values)
+        update = self.policy.update(batch, values, plan)
+        if gap is not None:  # the engine/trainer gap is the behavior/proximal one (the update's own is ~0)
+            update.logp_diff_max = gap
         if not tc.kl_in_reward:
             kl_seen = np.array([update.kl, update.tokens])
         self.stats.values.update({"lr": lr, "kl_coef": self.kl.coef})
@@ -188,6 +194,27 @@ class TrainerController(BaseController):
             kl_sum, tokens, samples = self.sum_over_replicas(np.array([*kl_seen, len(batch)], np.float64))
             self.kl.update(kl_sum / max(tokens, 1.0), int(samples))
         return update
+
+    def off_policy(self, batch: SampleBatch, values) -> tuple[SampleBatch, list[np.ndarray], float]:
+        """The step's samples with the trainer's proximal log-probabilities in place of the engine's, their
+        advantages weighted by `train.off_policy.correction` (`algos/off_policy.py`), and the largest
+        |proximal - behavior| of this replica's tokens."""
+        op = self.cfg.train.off_policy
+        if isinstance(values, np.ndarray):
+            values = [np.full(n, a, np.float32) for a, n in zip(values, batch.response_len)]
+        proximal = self.policy.proximal_logprobs(batch)
+        behavior = batch.ragged("logprobs")
+        weights, stats = importance_weights(proximal, behavior, op.correction, op.cap, op.mask_low, op.mask_high)
+        if self.is_owner:
+            for key, value in zip(("is_tokens", "is_weight_sum", "is_weight_max", "is_truncated", "is_masked"),
+                                  stats.as_array()):
+                if key == "is_weight_max":
+                    self.stats.values[key] = float(value)
+                else:
+                    self.stats.add(key, float(value))
+        values = [a * w for a, w in zip(values, weights)]
+        flat = np.concatenate(proximal).astype(np.float32) if len(batch) else np.zeros(0, np.float32)
+        return batch.select(np.arange(len(batch)), logprobs=flat), values, stats.abs_log_ratio_max
 
     def sum_over_replicas(self, values: np.ndarray) -> np.ndarray:
         """`values` summed over the data-parallel replicas (each replica's owner contributes; every trainer

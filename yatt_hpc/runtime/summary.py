@@ -48,6 +48,7 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         "train/grad_norm": _max_value(reports, "grad_norm", default=0.0),
         "train/rollout_logp_diff_max": _max_value(reports, "logp_diff_max", default=0.0),
         "train/micro_batch_tokens_max": _max_value(reports, "micro_batch_tokens_max", default=0.0),
+        **_off_policy(reports),
         "rollout/response_len_mean": response_tokens / samples,
         "time/step": step_seconds,
         "time/rollout": _max_time(reports, "rollout", "rollout"),
@@ -87,6 +88,18 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         out[f"wire/batch_bytes/{group}"] = _sum(reports, "wire_batch_bytes", group)
         out[f"wire/image_bytes/{group}"] = _sum(reports, "wire_image_bytes", group)
     return out
+
+
+def _off_policy(reports: list[dict]) -> dict[str, float]:
+    """`off_policy/...`: the importance weights pi_proximal / pi_behavior of the step's tokens, before truncation
+    or masking, and the fractions truncated and masked (`train.off_policy`; absent when it is off)."""
+    tokens = _sum(reports, "is_tokens")
+    if not tokens:
+        return {}
+    return {"off_policy/is_weight_mean": _sum(reports, "is_weight_sum") / tokens,
+            "off_policy/is_weight_max": _max_value(reports, "is_weight_max", default=0.0),
+            "off_policy/truncated_frac": _sum(reports, "is_truncated") / tokens,
+            "off_policy/masked_frac": _sum(reports, "is_masked") / tokens}
 
 
 def _term_means(reports: list[dict]) -> dict[str, float]:

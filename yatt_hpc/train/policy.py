@@ -169,7 +169,7 @@ class MegatronPolicy:
             plan = whole_batch_plan(batch, self.cfg)
         totals = UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         # the pipeline's reference term: every sample's reference log-probs, before the update
-        reference = self.reference_logprobs(batch) if self.pipeline is not None and self.reference is not None \
+        reference = self.logprobs_of(self.reference, batch) if self.pipeline is not None and self.reference is not None \
             and plan.kl_coef else None
         self.model.train()
         pixels = self._group_pixels(batch)
@@ -207,12 +207,26 @@ class MegatronPolicy:
         totals.optimizer_steps = steps
         return totals
 
-    @torch.no_grad()
     def reference_logprobs(self, batch: SampleBatch) -> list[np.ndarray]:
         """The frozen reference's log-probability of every response token, one array per sample (the KL
         in the reward); collective over the TP group, like a forward."""
+        return self.logprobs_of(self.reference, batch)
+
+    def proximal_logprobs(self, batch: SampleBatch) -> list[np.ndarray]:
+        """The policy's own log-probability of every response token under its current weights (decoupled PPO's
+        proximal policy, `train.off_policy.proximal: recompute`), one array per sample, without gradients."""
+        self.model.eval()  # no dropout in the layers we build; eval keeps recomputation out of a no-grad pass
+        try:
+            return self.logprobs_of(self.model, batch)
+        finally:
+            self.model.train()
+
+    @torch.no_grad()
+    def logprobs_of(self, model, batch: SampleBatch) -> list[np.ndarray]:
+        """`model`'s log-probability of every response token, one array per sample; every pipeline stage gets
+        them."""
         if self.pipeline is not None:
-            return self._pipeline_reference_logprobs(batch)
+            return self._pipeline_logprobs(model, batch)
         out: list[np.ndarray | None] = [None] * len(batch)
         pixels = self._group_pixels(batch)
         for micro in micro_batches(batch, np.arange(len(batch)), self.cfg):
@@ -222,14 +236,13 @@ class MegatronPolicy:
                                                     mb.prompt_id)
                 vision = None if self.images is None else \
                     update_images.shared_inputs(self.images, mb, layout, pixels, self.device)
-                logp, _ = self._shared_logprobs(self.reference, layout.to(self.device), vision)
+                logp, _ = self._shared_logprobs(model, layout.to(self.device), vision)
                 rows = [row[:n] for row, n in zip(logp.float().cpu().numpy(), mb.response_len)]
             else:
                 tokens, _, _ = pack_micro_batch(mb)
                 tokens = tokens.to(self.device)
                 inputs, targets = tokens[:, :-1], tokens[:, 1:]
-                logits = megatron_model.forward_logits(self.reference, inputs,
-                                                       images=self.vision_inputs(mb, inputs, pixels))
+                logits = megatron_model.forward_logits(model, inputs, images=self.vision_inputs(mb, inputs, pixels))
                 logp, _ = token_logprobs_and_entropy(logits, targets, self.tp_group, self.vocab_size, self.temperature)
                 padded = logp.float().cpu().numpy()
                 rows = [padded[i, p - 1:p - 1 + n] for i, (p, n) in enumerate(zip(mb.prompt_len, mb.response_len))]
@@ -389,8 +402,8 @@ class MegatronPolicy:
                 shared_prompt.set_backward_layout(None)
 
     @torch.no_grad()
-    def _pipeline_reference_logprobs(self, batch: SampleBatch) -> list[np.ndarray]:
-        """`reference_logprobs` through the reference's stages; every stage gets the last stage's result."""
+    def _pipeline_logprobs(self, model, batch: SampleBatch) -> list[np.ndarray]:
+        """`logprobs_of` through `model`'s stages; every stage gets the last stage's result."""
         micros = list(micro_batches(batch, np.arange(len(batch)), self.cfg))
         items = [(micro, batch.select(micro)) for micro in micros]
         items = [(micro, mb, self._stage_inputs(mb, {})) for micro, mb in items]
@@ -405,8 +418,7 @@ class MegatronPolicy:
                 got = [padded[i, p - 1:p - 1 + n] for i, (p, n) in enumerate(zip(mb.prompt_len, mb.response_len))]
             return torch.zeros(()), got
 
-        self.reference.eval()
-        per_micro = self.pipeline.run(self.reference, items, lambda model, item: self._stage_forward(model, item[2]),
+        per_micro = self.pipeline.run(model, items, lambda model, item: self._stage_forward(model, item[2]),
                                       rows, forward_only=True)
         flat = np.zeros(int(batch.response_len.sum()))
         if self.pipeline.last:
