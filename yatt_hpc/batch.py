@@ -205,6 +205,16 @@ _NO_POSITIONS = np.zeros(0, np.int64)
 _NO_POSITIONS.flags.writeable = False
 
 
+def batch_columns(batch: SampleBatch) -> dict[str, np.ndarray]:
+    """Every column of `batch` as a plain array (a checkpoint stores them; `batch_from_columns` is the inverse)."""
+    return {name: np.ascontiguousarray(getattr(batch, name)) for name in COLUMNS}
+
+
+def batch_from_columns(columns: dict[str, np.ndarray]) -> SampleBatch:
+    """A batch from `batch_columns`' arrays (each column's dtype as the batch defines it)."""
+    return SampleBatch(**{name: np.asarray(columns[name]) for name in COLUMNS})
+
+
 def image_columns(images: list[list[bytes]], n: int) -> dict[str, np.ndarray]:
     """The batch's image columns for `n` samples of each row: the encoded bytes ride on each group's
     first sample only (once per group; see batch.py)."""

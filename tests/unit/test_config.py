@@ -66,6 +66,13 @@ BAD = [
                  ["placement.genrm.devices_per_task=0", "GenRM"], id="sglang-judge-on-cpu"),
     pytest.param(["placement.genrm.devices_per_task=2", "placement.genrm.tp=2"],
                  ["placement.genrm.tp=2: the hf engine runs one device per replica"], id="hf-engine-tp2"),
+    pytest.param(["rollout.max_staleness=1"], ["rollout.max_staleness=1 with placement.mode=colocate",
+                                               "use placement.mode=partial or disjoint"], id="async-colocate"),
+    pytest.param(["rollout.max_staleness=1", "placement.mode=disjoint", "rollout.dynamic_sampling.enabled=true"],
+                 ["rollout.max_staleness=1 with rollout.dynamic_sampling.enabled"], id="async-dynamic-sampling"),
+    pytest.param(["rollout.max_staleness=2", "placement.mode=partial", "placement.dynamic_split.enabled=true",
+                  "eval.sources=[]", "eval.samples_per_prompt=1", "eval.max_prompts=null"],
+                 ["rollout.max_staleness=2 with placement.dynamic_split.enabled"], id="async-dynamic-split"),
 ]
 
 

@@ -67,6 +67,7 @@ EFFECT: dict[str, str] = {
     "train.weight_decay": f"{EFFECTS}::test_weight_decay_shrinks_parameters_the_loss_does_not_move",
     "train.grad_clip": f"{EFFECTS}::test_grad_clip_bounds_the_gradient_the_optimizer_steps_with",
     "train.shard_optimizer": "tests/mpi/test_sharded_optimizer.py::test_a_sharded_checkpoint_resumes_bitwise",
+    "rollout.max_staleness": "tests/mpi/test_async_run.py::test_an_asynchronous_run_resumes_bitwise",
     "train.off_policy.proximal": "tests/mpi/test_off_policy_run.py::test_the_ratio_is_taken_against_the_trainers_own_weights",
     "train.off_policy.correction": "tests/mpi/test_off_policy_run.py::test_bf16_engines_are_corrected_and_measured",
     "train.off_policy.cap": "tests/mpi/test_off_policy_run.py::test_the_ratio_is_taken_against_the_trainers_own_weights",
@@ -268,6 +269,7 @@ REFUSED: dict[str, str] = {
     "train.max_tokens_per_micro_batch": "tests/unit/test_micro_batches.py::"
                                         "test_nonsense_budgets_are_refused_at_load_naming_the_field_value_and_fix",
     "train.recompute": f"{RECOMPUTE}::test_recompute_settings_that_cannot_act_are_refused_at_load",
+    "rollout.max_staleness": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
     "train.off_policy.correction": "tests/unit/test_off_policy.py::test_settings_that_cannot_act_are_refused",
     "train.off_policy.cap": "tests/unit/test_off_policy.py::test_settings_that_cannot_act_are_refused",
     "train.off_policy.mask_low": "tests/unit/test_off_policy.py::test_settings_that_cannot_act_are_refused",

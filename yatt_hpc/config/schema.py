@@ -401,6 +401,13 @@ class RolloutConfig(Section):
     or `least_loaded` (per wave, every group to the least-loaded rollout rank by estimated tokens)."""
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     """Dynamic sampling (off by default)."""
+    max_staleness: int = Field(0, ge=0, le=4)
+    """Asynchronous RL (one-step-off and beyond): 0 is the synchronous loop. With s >= 1 (`partial` or `disjoint`
+    placement) the rollout and GenRM ranks generate and score the batch of step t + s while the trainer trains on
+    step t's, generated s steps earlier: a step's samples come from the weights after step t - s's update, a
+    function of the step, never of timing. The first s batches are generated before the first update. The
+    batches waiting for their step are in the checkpoint, so a resume is exact. Use with
+    `train.off_policy.proximal: recompute` (decoupled PPO) to take the ratio against the trainer's weights."""
 
     @model_validator(mode="after")
     def _samples_stream_alone(self) -> RolloutConfig:
@@ -540,6 +547,19 @@ class RunConfig(Section):
                              "dynamic split moves engines between rollout and GenRM and the held-out prompts would "
                              "meet engines the new weights have not reached; validate with a fixed split "
                              "(placement.dynamic_split.enabled=false) or drop eval.sources")
+        s = self.rollout.max_staleness
+        if s and self.placement.mode == "colocate":
+            raise ValueError(f"rollout.max_staleness={s} with placement.mode=colocate: the groups take the devices in "
+                             "turns, so generation cannot overlap training; use placement.mode=partial or disjoint, "
+                             "or rollout.max_staleness=0")
+        if s and self.placement.dynamic_split.enabled:
+            raise ValueError(f"rollout.max_staleness={s} with placement.dynamic_split.enabled: a split moves engines "
+                             "between rollout and GenRM at step boundaries, which generation ahead of its step "
+                             "crosses; use a fixed split (placement.dynamic_split.enabled=false) or max_staleness=0")
+        if s and self.rollout.dynamic_sampling.enabled:
+            raise ValueError(f"rollout.max_staleness={s} with rollout.dynamic_sampling.enabled: refill waves are "
+                             "decided from the batch being trained, which asynchronous steps train later; set "
+                             "rollout.dynamic_sampling.enabled=false or rollout.max_staleness=0")
         engines = ("rollout",) + (("genrm",) if self.reward.mode != "rule_only" else ())
         for group in engines:
             shape = getattr(self.placement, group)

@@ -39,7 +39,7 @@ import torch
 from mpi4py import MPI
 
 from yatt_hpc.algos.off_policy import importance_weights
-from yatt_hpc.batch import SampleBatch, image_columns
+from yatt_hpc.batch import SampleBatch, batch_columns, batch_from_columns, image_columns
 from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
 from yatt_hpc.ckpt.loader import Shards, reshard_optimizer, reshard_weights
 from yatt_hpc.comm.doorbell import DOORBELL
@@ -89,6 +89,11 @@ class TrainerController(BaseController):
         self.sampler = DynamicSampler(self.per_replica, ds.oversampling, ds.ema_decay, ds.ema_cap, ds.max_refill_waves)
         self.queue = PromptQueue(stride=self.routes.dp, offset=self.dp_rank)  # this replica's data position
         self.ratio = cfg.rollout.over_dispatch_ratio
+        # rollout.max_staleness: scored batches waiting for their step, each with the step that generated it (the
+        # replica's owner holds them; every trainer rank of the replica counts them)
+        self.staleness = cfg.rollout.max_staleness
+        self.pending: list[tuple[int, SampleBatch]] = []
+        self.pending_count = 0
         self.router = build_router(cfg.rollout.routing, self.owners_comm, self.dp_rank)
         self.expected_response = cfg.rollout.max_new_tokens / 2  # routing's load estimate, updated per wave
         self._count_send: tuple[list, np.ndarray | None] = ([], None)  # the TAG_COUNT in flight, its buffer
@@ -141,6 +146,9 @@ class TrainerController(BaseController):
     # ------------------------------------------------------------------ the step, as one screen
 
     def step(self, step: int) -> None:
+        if self.staleness:
+            self.async_step(step)
+            return
         batch = self.sample(step) if self.is_owner else self.follow_waves()   # generate + score
         if self.is_owner:
             batch = self.balance(batch)                     # even out work across DP replicas
@@ -156,6 +164,59 @@ class TrainerController(BaseController):
         if self.is_owner and samples_due(self.cfg, step + 1):
             self.add_samples(batch, step + 1, "train", lambda pid: self.source.row_at(pid)["image_names"])
         self.stats.hold(-len(batch))
+
+    def async_step(self, step: int) -> None:
+        """`rollout.max_staleness` = s >= 1: this step's wave generates and scores the batch of step + s while the
+        replica trains on the oldest waiting batch (generated at step - s, or before the first update on a fresh
+        start: its first step first runs the s waves that fill the queue, generated with the initial weights)."""
+        fill = self.staleness - self.pending_count  # s on a fresh start; 0 after it, and after a resume
+        done: dict = {}
+
+        def wave() -> bool:
+            index = len(done.setdefault("waves", []))
+            done["waves"].append(index)
+            # the step whose batch this wave generates; none past the run's last step (the wave sends nothing)
+            needed = step + self.staleness - fill + index < self.cfg.train.steps
+            if self.is_owner:
+                dispatched = self.dispatch_prompts(self.sampler.first_wave() if needed else 0)
+            if index == fill:  # generation runs on the rollout and GenRM ranks while this replica trains
+                done["batch"], done["update"], done["age"] = self.train_waiting(step)
+            self.protocol.gate(GENERATED)
+            self.protocol.gate(SCORED)
+            if self.is_owner:
+                got = self.collect_scored()
+                self.settle(step, dispatched, got)
+                if needed:
+                    groups = np.unique(got.prompt_id)
+                    self.sampler.observe(len(groups), sum(has_signal(got.reward[got.prompt_id == g]) for g in groups))
+                    self.pending.append((step, self.keep_groups(got)))
+            self.pending_count += int(needed)
+            return index < fill
+
+        self.protocol.waves(wave)
+        with self.stats.phase("weight_sync"):
+            self.sync_weights()
+        batch = done["batch"]
+        self.stats.values["staleness"] = float(done["age"])
+        self.report(batch, done["update"])
+        if self.is_owner and samples_due(self.cfg, step + 1):
+            self.add_samples(batch, step + 1, "train", lambda pid: self.source.row_at(pid)["image_names"])
+        self.stats.hold(-len(batch))
+
+    def train_waiting(self, step: int):
+        """Train on the oldest waiting batch: (the batch, the update, its age in steps: step - the step that
+        generated it)."""
+        generated, batch = self.pending.pop(0) if self.is_owner else (None, None)
+        self.pending_count -= 1
+        if self.is_owner:
+            batch = self.balance(batch)
+        batch = bcast_batch(self.replica_comm, batch, root=0)
+        generated = self.replica_comm.bcast(generated, root=0)
+        if not self.is_owner:
+            self.stats.hold(len(batch))
+        with self.stats.phase("train"):
+            update = self.train_on(batch, step)
+        return batch, update, step - generated
 
     def add_samples(self, batch: SampleBatch, step: int, table: str, image_names) -> None:
         """This replica's rows of a sample table, sent to the leader with the step report."""
@@ -428,6 +489,10 @@ class TrainerController(BaseController):
                     "base": self.queue.base,
                     "returned": np.array(list(self.queue.returned), np.int64),  # prompts to dispatch first
                     "step": step, "world_rank": self.world.rank}
+        if self.staleness:  # the scored batches waiting for their step (owners); how many (every rank)
+            position["pending"] = {str(i): {"generated": np.array([g], np.int64), "columns": batch_columns(b)}
+                                   for i, (g, b) in enumerate(self.pending)}
+            position["pending_count"] = np.array([self.pending_count], np.int64)
         return {"rng": capture_rng(), "data_position": position,
                 "extra": {"sampling": self.sampler.state(),
                           "routing": {"expected_response": float(self.expected_response)},
@@ -461,15 +526,39 @@ class TrainerController(BaseController):
                              "version's format (written by an older yatt-hpc); start a fresh --run-dir, or use "
                              "checkpoint.load_from to take only its weights")
         self.queue.load_state(position["next_index"], position.get("returned", ()), position.get("base", 0))
+        self.load_pending(position, restored.step)
         self.sampler.load_state(light.extra["sampling"])
         self.expected_response = float(light.extra.get("routing", {}).get("expected_response", self.expected_response))
         self.kl.coef = float(light.extra.get("kl", {}).get("coef", self.kl.coef))
+
+    def load_pending(self, position: dict, step: int) -> None:
+        """The waiting batches of an asynchronous run's checkpoint (`light_state`)."""
+        saved = int(np.asarray(position.get("pending_count", [0])).reshape(-1)[0])
+        if saved and not self.staleness:
+            raise InputError(f"checkpoint step-{step} holds {saved} batches generated ahead of their step "
+                             "(rollout.max_staleness > 0); resume it with the rollout.max_staleness it was written with")
+        if self.staleness and saved > self.staleness:
+            raise InputError(f"checkpoint step-{step} holds {saved} batches generated ahead of their step, more than "
+                             f"rollout.max_staleness={self.staleness}; resume with rollout.max_staleness >= {saved}")
+        pending = position.get("pending", {})
+        self.pending = [(int(np.asarray(pending[k]["generated"]).reshape(-1)[0]), batch_from_columns(pending[k]["columns"]))
+                        for k in sorted(pending, key=int)]
+        self.pending_count = saved
+        for _, batch in self.pending:
+            self.stats.hold(len(batch))
 
     def _relayout(self, restored, saved: dict[str, int], now: dict[str, int]):
         """A checkpoint of another trainer layout (a requeue onto other nodes): this shard's parameters and
         optimizer state resharded (`ckpt/loader.py`), this replica's share of the prompts no replica has
         consumed (`relayout_positions`); the sampler, routing and KL state of the saved first replica. The RNG
         stays as a fresh start seeds it (sampling seeds come from the sample ids, not from it)."""
+        waiting = int(np.asarray(restored.data_position.get("pending_count", [0])).reshape(-1)[0]) \
+            if restored.found else max(int(np.asarray(r.data_position.get("pending_count", [0])).reshape(-1)[0])
+                                       for r in restored.trainers)
+        if waiting:
+            raise InputError(f"checkpoint step-{restored.step} of an asynchronous run holds batches generated ahead "
+                             "of their step, each on its replica; it resumes in the trainer layout it was written "
+                             f"with (dp={saved['dp']} tp={saved['tp']} pp={saved['pp']})")
         saved_shards, shard = Shards(saved["tp"], saved["pp"]), Shards(now["tp"], now["pp"])
         model = reshard_weights(restored.step_dir, self.policy.hf_config, saved_shards, self.tp_rank, self.pp_rank, shard)
         self.policy.load_checkpoint_tensors(model)

@@ -49,6 +49,7 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         "train/rollout_logp_diff_max": _max_value(reports, "logp_diff_max", default=0.0),
         "train/micro_batch_tokens_max": _max_value(reports, "micro_batch_tokens_max", default=0.0),
         **_off_policy(reports),
+        "async/staleness": _max_value(reports, "staleness", default=0.0),
         "rollout/response_len_mean": response_tokens / samples,
         "time/step": step_seconds,
         "time/rollout": _max_time(reports, "rollout", "rollout"),
