@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import PYTHON, REPO, checkpoint_weights, full_matrix_only, wait_for_file
+from tests.conftest import PYTHON, REPO, checkpoint_weights, full_matrix_only, mpi_env, wait_for_file
 from tests.programs.held_engine import holding_marker
 from tests.slurm.jobs import held_overrides, job_rank_pid
 from yatt_hpc.config import load_config
@@ -170,3 +170,28 @@ def test_requeue_during_a_long_step_gives_it_up_within_the_grace(slurm_cluster, 
     assert restart_count(run_dir, sub.job_id) >= 1
     assert "resumed from checkpoint step 1" in logs(run_dir)
     assert finished_steps(run_dir) == 3
+
+
+ASYNC = ("placement.mode=partial", "rollout.max_staleness=1", "eval.every=0")  # one node, as the high job needs
+
+
+def test_a_preempted_asynchronous_job_requeues_and_resumes_bitwise(slurm_cluster, tmp_path):
+    """`rollout.max_staleness=1` (docs/async.md): the batch generated ahead of its step is in the checkpoint the
+    preemption's stop writes, so the requeued job ends with the weights of the same run under mpirun."""
+    straight = tmp_path / "straight"
+    args = [a for s in (*ARGS, *ASYNC) for a in ("--set", s)]
+    proc = subprocess.run([PYTHON, "-m", "yatt_hpc.cli", "run", DEMO, "--run-dir", str(straight), *args],
+                          cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run_dir = tmp_path / "run"
+    sub = submit(run_dir, "slurm.partition=debug", *ASYNC, *held_overrides(tmp_path / "held", "signal", at_version=6))
+    wait_for_file(holding_marker(tmp_path / "held"), timeout_s=240)
+    high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--nodes=4", "--time=2",
+                           f"--output={tmp_path}/high-%j.out", "--wrap", "sleep 5"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    states = wait_job(sub.job_id, poll_s=1, timeout_s=500)
+    assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
+    assert restart_count(run_dir, sub.job_id) >= 1 and "resumed from checkpoint step" in logs(run_dir)
+    assert finished_steps(run_dir) == STEPS
+    assert_same_weights(checkpoint_weights(run_dir, STEPS), checkpoint_weights(straight, STEPS))
+    subprocess.run(["scancel", high])
