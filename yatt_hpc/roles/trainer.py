@@ -39,7 +39,7 @@ import torch
 from mpi4py import MPI
 
 from yatt_hpc.algos.off_policy import importance_weights
-from yatt_hpc.batch import SampleBatch, batch_columns, batch_from_columns, image_columns
+from yatt_hpc.batch import SampleBatch, image_columns
 from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
 from yatt_hpc.ckpt.loader import Shards, reshard_optimizer, reshard_weights
 from yatt_hpc.comm.doorbell import DOORBELL
@@ -53,6 +53,7 @@ from yatt_hpc.data.prompts import build_prompt_source
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.errors import InputError
 from yatt_hpc.placement.weight_transport import weight_pairs
+from yatt_hpc.roles.async_steps import AsyncSteps
 from yatt_hpc.roles.base import BaseController, rank_device
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
@@ -69,7 +70,7 @@ from yatt_hpc.vision.processor import ImageProcessor, is_vision_model
 log = logging.getLogger(__name__)
 
 
-class TrainerController(BaseController):
+class TrainerController(AsyncSteps, BaseController):
     def __init__(self, world, cfg: RunConfig, run_dir: Path, stats: RankStats, protocol: StepProtocol):
         from yatt_hpc.train import megatron_model
         from yatt_hpc.train.policy import MegatronPolicy
@@ -164,59 +165,6 @@ class TrainerController(BaseController):
         if self.is_owner and samples_due(self.cfg, step + 1):
             self.add_samples(batch, step + 1, "train", lambda pid: self.source.row_at(pid)["image_names"])
         self.stats.hold(-len(batch))
-
-    def async_step(self, step: int) -> None:
-        """`rollout.max_staleness` = s >= 1: this step's wave generates and scores the batch of step + s while the
-        replica trains on the oldest waiting batch (generated at step - s, or before the first update on a fresh
-        start: its first step first runs the s waves that fill the queue, generated with the initial weights)."""
-        fill = self.staleness - self.pending_count  # s on a fresh start; 0 after it, and after a resume
-        done: dict = {}
-
-        def wave() -> bool:
-            index = len(done.setdefault("waves", []))
-            done["waves"].append(index)
-            # the step whose batch this wave generates; none past the run's last step (the wave sends nothing)
-            needed = step + self.staleness - fill + index < self.cfg.train.steps
-            if self.is_owner:
-                dispatched = self.dispatch_prompts(self.sampler.first_wave() if needed else 0)
-            if index == fill:  # generation runs on the rollout and GenRM ranks while this replica trains
-                done["batch"], done["update"], done["age"] = self.train_waiting(step)
-            self.protocol.gate(GENERATED)
-            self.protocol.gate(SCORED)
-            if self.is_owner:
-                got = self.collect_scored()
-                self.settle(step, dispatched, got)
-                if needed:
-                    groups = np.unique(got.prompt_id)
-                    self.sampler.observe(len(groups), sum(has_signal(got.reward[got.prompt_id == g]) for g in groups))
-                    self.pending.append((step, self.keep_groups(got)))
-            self.pending_count += int(needed)
-            return index < fill
-
-        self.protocol.waves(wave)
-        with self.stats.phase("weight_sync"):
-            self.sync_weights()
-        batch = done["batch"]
-        self.stats.values["staleness"] = float(done["age"])
-        self.report(batch, done["update"])
-        if self.is_owner and samples_due(self.cfg, step + 1):
-            self.add_samples(batch, step + 1, "train", lambda pid: self.source.row_at(pid)["image_names"])
-        self.stats.hold(-len(batch))
-
-    def train_waiting(self, step: int):
-        """Train on the oldest waiting batch: (the batch, the update, its age in steps: step - the step that
-        generated it)."""
-        generated, batch = self.pending.pop(0) if self.is_owner else (None, None)
-        self.pending_count -= 1
-        if self.is_owner:
-            batch = self.balance(batch)
-        batch = bcast_batch(self.replica_comm, batch, root=0)
-        generated = self.replica_comm.bcast(generated, root=0)
-        if not self.is_owner:
-            self.stats.hold(len(batch))
-        with self.stats.phase("train"):
-            update = self.train_on(batch, step)
-        return batch, update, step - generated
 
     def add_samples(self, batch: SampleBatch, step: int, table: str, image_names) -> None:
         """This replica's rows of a sample table, sent to the leader with the step report."""
@@ -489,10 +437,8 @@ class TrainerController(BaseController):
                     "base": self.queue.base,
                     "returned": np.array(list(self.queue.returned), np.int64),  # prompts to dispatch first
                     "step": step, "world_rank": self.world.rank}
-        if self.staleness:  # the scored batches waiting for their step (owners); how many (every rank)
-            position["pending"] = {str(i): {"generated": np.array([g], np.int64), "columns": batch_columns(b)}
-                                   for i, (g, b) in enumerate(self.pending)}
-            position["pending_count"] = np.array([self.pending_count], np.int64)
+        if self.staleness:
+            position.update(self.pending_state())
         return {"rng": capture_rng(), "data_position": position,
                 "extra": {"sampling": self.sampler.state(),
                           "routing": {"expected_response": float(self.expected_response)},
@@ -530,22 +476,6 @@ class TrainerController(BaseController):
         self.sampler.load_state(light.extra["sampling"])
         self.expected_response = float(light.extra.get("routing", {}).get("expected_response", self.expected_response))
         self.kl.coef = float(light.extra.get("kl", {}).get("coef", self.kl.coef))
-
-    def load_pending(self, position: dict, step: int) -> None:
-        """The waiting batches of an asynchronous run's checkpoint (`light_state`)."""
-        saved = int(np.asarray(position.get("pending_count", [0])).reshape(-1)[0])
-        if saved and not self.staleness:
-            raise InputError(f"checkpoint step-{step} holds {saved} batches generated ahead of their step "
-                             "(rollout.max_staleness > 0); resume it with the rollout.max_staleness it was written with")
-        if self.staleness and saved > self.staleness:
-            raise InputError(f"checkpoint step-{step} holds {saved} batches generated ahead of their step, more than "
-                             f"rollout.max_staleness={self.staleness}; resume with rollout.max_staleness >= {saved}")
-        pending = position.get("pending", {})
-        self.pending = [(int(np.asarray(pending[k]["generated"]).reshape(-1)[0]), batch_from_columns(pending[k]["columns"]))
-                        for k in sorted(pending, key=int)]
-        self.pending_count = saved
-        for _, batch in self.pending:
-            self.stats.hold(len(batch))
 
     def _relayout(self, restored, saved: dict[str, int], now: dict[str, int]):
         """A checkpoint of another trainer layout (a requeue onto other nodes): this shard's parameters and
