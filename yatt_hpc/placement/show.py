@@ -41,10 +41,17 @@ def what_runs(cfg: RunConfig) -> list[str]:
     precision = "bfloat16 parameters, fp32 master weights and AdamW state" if m.dtype == "bfloat16" else m.dtype
     judge = "off (reward.mode=rule_only)" if cfg.reward.mode == "rule_only" else \
         f"{r.engine} engine, {cfg.reward.judge_dtype or m.dtype}"
-    return [f"trainer: Megatron-Core from {m.path} (arch {m.arch}), {precision}",
-            f"rollout: {r.engine} engine, {m.dtype}, weights synced in {m.dtype}; sampling temperature "
-            f"{r.temperature:g} (the trainer scores at the same temperature), top_p {r.top_p:g}",
-            f"genrm: {judge}"]
+    lines = [f"trainer: Megatron-Core from {m.path} (arch {m.arch}), {precision}",
+             f"rollout: {r.engine} engine, {m.dtype}, weights synced in {m.dtype}; sampling temperature "
+             f"{r.temperature:g} (the trainer scores at the same temperature), top_p {r.top_p:g}",
+             f"genrm: {judge}"]
+    if r.max_staleness:
+        s = r.max_staleness
+        old = "the trainer's recomputed log-probs" if cfg.train.off_policy.proximal == "recompute" else \
+            "the engine's log-probs (train.off_policy.proximal=recompute takes the trainer's)"
+        lines.append(f"asynchronous (rollout.max_staleness={s}): step t's wave generates step t+{s}'s batch while "
+                     f"the trainer trains on step t's, generated {s} update(s) earlier; the ratio against {old}")
+    return lines
 
 
 def trainer_state_text(p: Plan, cfg: RunConfig) -> str:
