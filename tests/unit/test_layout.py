@@ -15,13 +15,16 @@ ALLOWED = {
     "sched": {"placement"},
     "comm": {"sched", "placement", "batch", "metrics.activity", "device"},
     "roles": {"algos", "comm", "sched", "batch", "metrics.activity", "ckpt", "config", "data", "errors", "placement", "reward",
-              "rollout", "train", "runtime", "vision", "models"},  # runtime: RankStats, the per-rank stats it reports to
+              "rollout", "train", "runtime", "vision", "models", "lora"},  # runtime: RankStats, the per-rank stats it reports to
     "runtime": {"roles", "comm", "sched", "batch", "metrics", "ckpt", "config", "data", "errors", "launch",
                 "placement"},
     "demo": set(),
     "rollout": {"metrics.activity", "device", "vision"},  # engines join a weight pair's group (device.weight_group)
-    "train": {"algos", "metrics.activity", "ckpt.optim", "batch", "config", "device", "vision", "models", "optim"},
+    "train": {"algos", "metrics.activity", "ckpt.optim", "batch", "config", "device", "vision", "models", "optim",
+              "lora.layers"},  # the policy attaches adapters
     "optim": set(),  # the optimizer: torch only
+    # LoRA's adapters sit on the Megatron model and move between layouts through the converter's splits
+    "lora": {"config", "train.convert", "train.hf_arch", "train.mcore"},
     "algos": set(),  # the formulas: a leaf, and no process group in it (test below)
     "reward": {"rollout", "data", "vision", "models"},  # the judge runs on a rollout engine with the tokenizer data/ loads
     "data": {"config", "demo", "vision"},

@@ -2,7 +2,8 @@
 
     yatt-hpc ckpt list runs/demo                 # step, size, time, verified
     yatt-hpc ckpt verify runs/demo [--step 20]   # exit 1 if a checked checkpoint is bad
-    yatt-hpc ckpt export-hf runs/demo --step 20 --out hf-step-20
+    yatt-hpc ckpt export-hf runs/demo --step 20 --out hf-step-20            # a LoRA run's: merged
+    yatt-hpc ckpt export-peft runs/lora --step 20 --out adapter-step-20     # a LoRA run's adapters, for PEFT
 
 DIR may be a run directory or its ``checkpoints/`` directory. User errors print one line, exit 2.
 """
@@ -100,7 +101,8 @@ LOST_WARN = 0.01
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Tensor dtype to write (default: the checkpoint's, float32); config.json says the same.")
 def export_cmd(run_dir: Path, step: int, out: Path, model_dir: Path | None, dtype: str | None) -> None:
-    """Merge the tensor-parallel shards of one checkpoint into a Hugging Face model directory."""
+    """Merge the tensor-parallel shards of one checkpoint into a Hugging Face model directory (a LoRA run's
+    adapters merged into its base model)."""
     from yatt_hpc.ckpt.export_hf import export_hf
 
     try:
@@ -112,3 +114,22 @@ def export_cmd(run_dir: Path, step: int, out: Path, model_dir: Path | None, dtyp
                    f"value in {done.dtype} (the changes are below its resolution); export without --dtype "
                    "to keep them in float32", err=True)
     click.echo(f"exported step {step} to {out} ({done.dtype})")
+
+
+@ckpt.command("export-peft")
+@_DIR
+@click.option("--step", type=int, required=True, help="Checkpoint step to export.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Output directory (PEFT layout: adapter_config.json, adapter_model.safetensors).")
+@click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="The base HF model directory (default: model.path of the saved config); it must be the base the "
+                   "adapters were trained on, and adapter_config.json names it.")
+def export_peft_cmd(run_dir: Path, step: int, out: Path, model_dir: Path | None) -> None:
+    """Write a LoRA run's adapters as a PEFT adapter directory (PeftModel.from_pretrained(base, OUT) loads it)."""
+    from yatt_hpc.ckpt.export_hf import export_peft
+
+    try:
+        export_peft(run_dir, step, out, model_dir)
+    except CheckpointError as err:
+        raise CkptUserError(str(err)) from None
+    click.echo(f"exported the adapters of step {step} to {out}")

@@ -1,6 +1,8 @@
-"""Export one checkpoint's model as a Hugging Face directory that ``from_pretrained`` loads.
+"""Export one checkpoint's model as a Hugging Face directory that ``from_pretrained`` loads, or a LoRA run's
+adapters as a PEFT directory that ``PeftModel.from_pretrained`` loads onto the base model.
 
     yatt-hpc ckpt export-hf runs/demo --step 20 --out runs/demo/hf-step-20
+    yatt-hpc ckpt export-peft runs/lora --step 20 --out runs/lora/adapter-step-20
     export_hf(run_dir, step=20, out=Path("hf"), model_dir=None)    # the same, from Python
 
 Gathers every tensor shard of every pipeline stage (``model-tp{t}-pp{p}.safetensors``), merges them with
@@ -8,6 +10,11 @@ Gathers every tensor shard of every pipeline stage (``model-tp{t}-pp{p}.safetens
 and the tokenizer files are copied from the original model directory, ``model.path`` of the config saved
 in the checkpoint (or ``model_dir`` when given); so is ``config.json``, with its dtype set to the dtype
 of the tensors written, so that a plain ``from_pretrained(out)`` loads the model as it was trained.
+
+A LoRA run's checkpoint holds its adapters only (`yatt_hpc/lora/`): ``export_hf`` merges them into the base
+model's weights (W + alpha/r x B A, in the base's dtype), read from the original model directory after checking it
+is the base the adapters were trained on (`lora/identity.py`); ``export_peft`` writes ``adapter_config.json`` and
+``adapter_model.safetensors`` (PEFT's names and layout, `lora/peft.py`).
 
 Checkpoints hold full-precision (float32) weights, the masters of a bf16 run included, and the export
 keeps them unless ``dtype`` says otherwise. RL moves weights little: at a learning rate of 1e-6 most
@@ -29,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.errors import CheckpointError
 from yatt_hpc.ckpt.manifest import verify_step
-from yatt_hpc.ckpt.state import read_shared
+from yatt_hpc.ckpt.state import read_records, read_shared
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".index.json")
 
@@ -67,24 +74,18 @@ class Export:
 def export_hf(run_dir: str | Path, step: int, out: str | Path, model_dir: str | Path | None = None,
               dtype: str | None = None) -> Export:
     """Write ``out/model.safetensors`` (in ``dtype``, default the checkpoint's) + config and tokenizer files."""
-    from transformers import AutoConfig
-
     from yatt_hpc.train.convert import stages_to_hf
 
-    step_dir = layout.step_dir(layout.resolve_checkpoints_dir(run_dir), step)
-    if not step_dir.is_dir():
-        raise CheckpointError(f"no checkpoint step {step} at {step_dir}")
-    problem = verify_step(step_dir)
-    if problem:
-        raise CheckpointError(f"checkpoint step {step} does not verify: {problem}")
-    _, shared = read_shared(step_dir / layout.STATE_FILE)
-    src = Path(model_dir) if model_dir else _model_dir_from_config(shared.config_yaml, step_dir)
-    if not (src / "config.json").is_file():
-        raise CheckpointError(f"{src} has no config.json (the original model directory is needed for the "
-                              "config and tokenizer); pass --model-dir")
-    hf_config = AutoConfig.from_pretrained(src)
+    step_dir, src, hf_config, lora = _open_step(run_dir, step, model_dir)
     shards = [[load_file(str(p)) for p in stage] for stage in _ordered_shards(step_dir)]
-    hf_sd = stages_to_hf(shards, hf_config, emit_tied_lm_head=False)
+    if lora is None:
+        hf_sd = stages_to_hf(shards, hf_config, emit_tied_lm_head=False)
+    else:
+        from yatt_hpc.lora.peft import megatron_to_peft, merge_into_hf
+
+        base = {k: v for k, v in _original_weights(src).items()
+                if not (k == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False))}
+        hf_sd = merge_into_hf(base, megatron_to_peft(shards, hf_config), lora["alpha"] / lora["rank"], hf_config)
     stored = _float_dtype(hf_sd)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -103,6 +104,49 @@ def export_hf(run_dir: str | Path, step: int, out: str | Path, model_dir: str | 
     config = json.loads((src / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(_with_dtype(config, target), indent=2, sort_keys=True) + "\n")
     return Export(out, target, lost)
+
+
+def export_peft(run_dir: str | Path, step: int, out: str | Path, model_dir: str | Path | None = None) -> Path:
+    """Write a LoRA checkpoint's adapters as ``out/adapter_config.json`` + ``out/adapter_model.safetensors``."""
+    from yatt_hpc.lora.peft import adapter_config, megatron_to_peft, save_peft
+    from yatt_hpc.lora.targets import targets_of
+
+    step_dir, src, hf_config, lora = _open_step(run_dir, step, model_dir)
+    if lora is None:
+        raise CheckpointError(f"checkpoint step {step} at {step_dir} holds fully trained weights, not LoRA adapters "
+                              "(its run had train.lora.rank=0); use `yatt-hpc ckpt export-hf`")
+    shards = [[load_file(str(p)) for p in stage] for stage in _ordered_shards(step_dir)]
+    config = adapter_config(lora["rank"], lora["alpha"], lora.get("dropout", 0.0), targets_of(shards[0][0]),
+                            hf_config, str(src))
+    return save_peft(out, megatron_to_peft(shards, hf_config), config)
+
+
+def _open_step(run_dir: str | Path, step: int, model_dir: str | Path | None):
+    """(step directory, original model directory, its HF config, the LoRA record or None) of a verified step; a
+    LoRA checkpoint's base is checked against the model directory's identity."""
+    from transformers import AutoConfig
+
+    step_dir = layout.step_dir(layout.resolve_checkpoints_dir(run_dir), step)
+    if not step_dir.is_dir():
+        raise CheckpointError(f"no checkpoint step {step} at {step_dir}")
+    problem = verify_step(step_dir)
+    if problem:
+        raise CheckpointError(f"checkpoint step {step} does not verify: {problem}")
+    _, shared = read_shared(step_dir / layout.STATE_FILE)
+    src = Path(model_dir) if model_dir else _model_dir_from_config(shared.config_yaml, step_dir)
+    if not (src / "config.json").is_file():
+        raise CheckpointError(f"{src} has no config.json (the original model directory is needed for the "
+                              "config and tokenizer); pass --model-dir")
+    lora = next((r.extra["lora"] for r in read_records(step_dir / layout.STATE_FILE)
+                 if r.identity.startswith("trainer/") and "lora" in r.extra), None)
+    if lora is not None:
+        from yatt_hpc.lora.identity import base_fingerprint
+
+        if base_fingerprint(src) != lora["base_sha256"]:
+            raise CheckpointError(f"checkpoint step {step} holds LoRA adapters of the base model at "
+                                  f"{lora['base_path']}, and {src} is another model (its weights differ); pass "
+                                  "--model-dir with the base the adapters were trained on")
+    return step_dir, src, AutoConfig.from_pretrained(src), lora
 
 
 def _float_dtype(state: dict[str, torch.Tensor]) -> str:
@@ -126,14 +170,20 @@ def _with_dtype(config: dict, dtype: str) -> dict:
     return config
 
 
+def _original_weights(src: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the original model directory's safetensors files."""
+    original: dict[str, torch.Tensor] = {}
+    for path in sorted(src.glob("*.safetensors")):
+        original.update(load_file(str(path)))
+    return original
+
+
 def _changes_lost(trained: dict[str, torch.Tensor], cast: dict[str, torch.Tensor], src: Path) -> float | None:
     """Of the elements training changed (trained != the original model's), the fraction whose cast equals
     the cast original: changes the lower precision cannot hold. None when the original's weights cannot
     be read (no safetensors files, or damaged ones); elements under other names are not counted."""
-    original: dict[str, torch.Tensor] = {}
     try:
-        for path in sorted(src.glob("*.safetensors")):
-            original.update(load_file(str(path)))
+        original = _original_weights(src)
     except (OSError, ValueError):
         return None
     changed = lost = 0

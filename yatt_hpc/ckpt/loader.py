@@ -173,7 +173,12 @@ def _convert():
 
 
 def _reshard(parts: list[list[StateDict]], hf_config: Any, tp_rank: int, pp_rank: int, now: Shards) -> StateDict:
-    """`parts[pp][tp]` (a saved layout's shards) merged to HF and split into shard (tp_rank, pp_rank) of `now`."""
+    """`parts[pp][tp]` (a saved layout's shards) merged to HF and split into shard (tp_rank, pp_rank) of `now`
+    (a LoRA run's adapters through their PEFT layout, `lora/peft.py`)."""
+    from yatt_hpc.lora import peft, targets
+
+    if any(targets.is_adapter(name) for name in parts[0][0]):
+        return peft.reshard(parts, hf_config, tp_rank, pp_rank, now.tp, now.pp)
     convert = _convert()  # torch and the model code: only a trainer rank that reshards imports them here
     merged = convert.stages_to_hf(parts, hf_config)
     return convert.hf_to_megatron(merged, hf_config, tp_rank, now.tp, convert.Stage(pp_rank, now.pp))

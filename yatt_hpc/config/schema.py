@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from yatt_hpc.config.cluster import HealthConfig, SlurmConfig
+from yatt_hpc.config.lora import LoraConfig
 from yatt_hpc.config.off_policy import OffPolicyConfig
 from yatt_hpc.config.placement import PlacementConfig
 from yatt_hpc.config.reward import RewardConfig, RewardTerm  # noqa: F401  (the reward section; re-exported)
@@ -249,6 +250,8 @@ class TrainConfig(Section):
     """Vision-language policies (Qwen2-VL): train the vision tower too (it is then in the optimizer, the
     data-parallel all-reduce and the weight sync); false keeps it frozen at the checkpoint's weights and
     syncs only the language model. True with a text-only model is refused."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapters instead of training every parameter (`config/lora.py`, docs/lora.md)."""
 
     @property
     def agg_mode(self) -> str:
@@ -305,6 +308,10 @@ class TrainConfig(Section):
             raise ValueError(f"train.mini_batches={self.mini_batches} is more than train.prompts_per_step="
                              f"{self.prompts_per_step}: a mini-batch holds whole prompt groups; lower "
                              "train.mini_batches")
+        if self.lora.enabled and self.train_vision_tower:
+            raise ValueError(f"train.lora.rank={self.lora.rank} with train.train_vision_tower=true: LoRA is mapped for "
+                             "the language model only; set train.lora.rank=0 to train the tower too, or drop "
+                             "train.train_vision_tower")
         for name, beta in zip(("beta1", "beta2"), self.adam_betas):
             if not 0 <= beta < 1:
                 raise ValueError(f"train.adam_betas {name}={beta:g} must lie in [0, 1)")
@@ -560,6 +567,11 @@ class RunConfig(Section):
             raise ValueError(f"rollout.max_staleness={s} with rollout.dynamic_sampling.enabled: refill waves are "
                              "decided from the batch being trained, which asynchronous steps train later; set "
                              "rollout.dynamic_sampling.enabled=false or rollout.max_staleness=0")
+        if self.train.lora.enabled and self.checkpoint.load_from is not None:
+            raise ValueError(f"checkpoint.load_from={self.checkpoint.load_from!r} with train.lora.rank="
+                             f"{self.train.lora.rank}: adapters start from the base model at model.path; export "
+                             "that checkpoint with `yatt-hpc ckpt export-hf` and point model.path at the export, "
+                             "or drop checkpoint.load_from")
         engines = ("rollout",) + (("genrm",) if self.reward.mode != "rule_only" else ())
         for group in engines:
             shape = getattr(self.placement, group)

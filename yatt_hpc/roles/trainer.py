@@ -52,6 +52,7 @@ from yatt_hpc.data.consumed import ConsumedLog
 from yatt_hpc.data.prompts import build_prompt_source
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.errors import InputError
+from yatt_hpc.lora.identity import lora_record, resume_problem
 from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.async_steps import AsyncSteps
 from yatt_hpc.roles.base import BaseController, rank_device
@@ -112,6 +113,8 @@ class TrainerController(AsyncSteps, BaseController):
                                                  cuda_device=torch.device(device).index)
         megatron_model.check_groups(world.plan.group("trainer"))
         torch.manual_seed(cfg.train.seed)
+        # LoRA: the adapters' settings and their base's identity, saved with every checkpoint and checked at resume
+        self.lora = lora_record(cfg.train.lora, cfg.model.path) if cfg.train.lora.enabled else None
         self.policy = MegatronPolicy.from_hf(cfg.model.path, self.tp_rank, tp, cfg.train,
                                              dtype=getattr(torch, cfg.model.dtype),
                                              temperature=cfg.rollout.temperature)
@@ -442,7 +445,7 @@ class TrainerController(AsyncSteps, BaseController):
         return {"rng": capture_rng(), "data_position": position,
                 "extra": {"sampling": self.sampler.state(),
                           "routing": {"expected_response": float(self.expected_response)},
-                          "kl": {"coef": float(self.kl.coef)}}}
+                          "kl": {"coef": float(self.kl.coef)}, **({"lora": self.lora} if self.lora else {})}}
 
     def checkpoint_state(self, step: int, light: dict | None = None) -> RankState:
         """Parameters (dp rank 0 of the shard), optimizer state, and `light_state` (now, or from the step start)."""
@@ -458,6 +461,10 @@ class TrainerController(AsyncSteps, BaseController):
         self.policy.optimizer.register_step_pre_hook(lambda *_: guard.enter_mutation())
 
     def restore(self, restored) -> None:
+        saved_lora = restored.trainers[0].extra.get("lora") if restored.trainers else None
+        problem = resume_problem(saved_lora, self.lora, restored.step)
+        if problem:
+            raise InputError(problem)
         saved = restored.trainer_layout
         now = {"dp": self.routes.dp, "tp": self.world.plan.group("trainer").size("tp"), "pp": self.pp}
         if saved == now:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from yatt_hpc.config.lora import targets_problem
 from yatt_hpc.config.schema import RunConfig, recompute_layers_problem
 from yatt_hpc.errors import InputError
 
@@ -81,10 +82,21 @@ def check_recompute_layers(cfg: RunConfig) -> None:
         raise InputError(f"{problem}{' (per pipeline stage)' if pp > 1 else ''} ({path})")
 
 
+def check_lora_targets(cfg: RunConfig) -> None:
+    """`train.lora.target_modules` must name linear layers the policy has (GPT-2's or the Llama family's)."""
+    if not cfg.train.lora.enabled:
+        return
+    _, path, config = _policy_layers(cfg)
+    problem = targets_problem(cfg.train.lora, str(config.get("model_type")))
+    if problem:
+        raise InputError(f"{problem} ({path})")
+
+
 def check_model_dirs(cfg: RunConfig) -> None:
     check_model_dir(cfg.model.path, "model.path")
     check_model_arch(cfg)
     check_pipeline_stages(cfg)
     check_recompute_layers(cfg)
+    check_lora_targets(cfg)
     if cfg.reward.mode != "rule_only":
         check_model_dir(cfg.reward.genrm_path, "reward.genrm_path")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -239,6 +239,12 @@ def _to_megatron(rule: Rule, hf: list[torch.Tensor], arch: HFArch, rank: int, tp
     return shard(_interleave_qkv(q, k, v, arch), 0)
 
 
+def split_tensor(rule: Rule, hf: list[torch.Tensor], arch: HFArch, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s shard of the Megatron tensor `rule` makes of the HF tensors `hf` (contiguous): the
+    split weights take, for tensors laid out like them (LoRA's adapters, `yatt_hpc/lora/`)."""
+    return _to_megatron(rule, hf, arch, tp_rank, tp_size).contiguous()
+
+
 def _split_fused_hf_qkv(qkv: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
     """GPT-2's ``c_attn`` (already [out, in]) is [all q; all k; all v]."""
     q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -319,6 +325,11 @@ def _to_hf(rule: Rule, shards: list[torch.Tensor], arch: HFArch) -> Iterator[tup
         yield name, (tensor.t() if rule.conv1d else tensor).contiguous()
 
 
+def merge_tensor(rule: Rule, shards: list[torch.Tensor], arch: HFArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors (name, tensor) of a Megatron tensor's TP shards: the inverse of `split_tensor`."""
+    yield from _to_hf(rule, shards, arch)
+
+
 def _deinterleave_qkv(fused: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
     groups, d = arch.num_kv_heads, arch.head_dim
     per_group = arch.num_heads // groups
@@ -332,7 +343,7 @@ def _deinterleave_qkv(fused: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
 
 def iter_gathered_hf_weights(
     model: torch.nn.Module, hf_config: Any, tp_group: Any, emit_tied_lm_head: bool = True, vision: bool = True,
-    stage: Stage = Stage(),
+    stage: Stage = Stage(), local: Mapping[str, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """All-gather the live model's TP shards one tensor at a time and yield full HF tensors (of the
     model's pipeline `stage`: its layers under their HF names).
@@ -340,11 +351,12 @@ def iter_gathered_hf_weights(
     ``model`` is the bare GPTModel (unprefixed state-dict names, not a DDP wrapper).
     Collective: every rank of ``tp_group`` must drain the iterator in lockstep. Every rank gets the
     full tensors; callers usually keep them on TP rank 0 only. Peak extra memory is one tensor.
-    ``vision=False`` leaves out a vision model's tower (frozen: the engines already hold it).
+    ``vision=False`` leaves out a vision model's tower (frozen: the engines already hold it). ``local`` stands in
+    for the model's state dict (LoRA's merged weights, computed as each tensor is asked for).
     """
     tp_size = torch.distributed.get_world_size(tp_group)
     arch = describe_hf_config(hf_config, tp_size)
-    local = model.state_dict()
+    local = model.state_dict() if local is None else local
 
     def shards_of(rule: Rule) -> list[torch.Tensor]:
         tensor = local[rule.megatron].detach()

@@ -102,6 +102,8 @@ def sync_tied_embeddings(model) -> None:
     if not parallel_state.is_rank_in_embedding_group():
         return
     weight = model.shared_embedding_or_output_weight()
+    if not weight.requires_grad:  # frozen (LoRA): both copies stay the base's
+        return
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     torch.distributed.all_reduce(weight.grad, group=parallel_state.get_embedding_group())

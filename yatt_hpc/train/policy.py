@@ -32,6 +32,7 @@ forward gets its rows' pixels, grids and M-RoPE positions. The vision tower trai
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -48,12 +49,14 @@ from yatt_hpc.batch import SampleBatch
 from yatt_hpc.ckpt.optim import load_optimizer_tensors, optimizer_tensors
 from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.device.offload import HostParking
+from yatt_hpc.lora.layers import Lora
 from yatt_hpc.metrics.activity import ACTIVITY
 from yatt_hpc.models.hf_config import load_hf_config
 from yatt_hpc.optim.adamw import AdamW
 from yatt_hpc.optim.buckets import GRAD_BUCKET_MB, allreduce_bucketed
 from yatt_hpc.optim.sharded import ShardedAdamW
 from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
+from yatt_hpc.train.hf_arch import describe_hf_config
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
 from yatt_hpc.train.pipeline import PipelineStages, sync_tied_embeddings
@@ -98,8 +101,9 @@ def load_hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 class MegatronPolicy:
     def __init__(self, model, hf_config, cfg: TrainConfig, reference=None, temperature: float = 1.0,
-                 images: ImageProcessor | None = None, share_prompts: bool = False):
+                 images: ImageProcessor | None = None, share_prompts: bool = False, lora: Lora | None = None):
         self.model = model
+        self.lora = lora  # train.lora: adapters on a frozen base (yatt_hpc/lora/); the reference is the base
         self.share_prompts = share_prompts  # the shared-prompt forward (train/shared_prompt.py)
         self.hf_config = hf_config
         self.cfg = cfg
@@ -142,14 +146,20 @@ class MegatronPolicy:
                                                train_vision=cfg.train_vision_tower,
                                                recompute=megatron_model.Recompute.of(cfg))
         megatron_model.load_megatron_shard(model, shard)
+        lora = None
+        if cfg.lora.enabled:  # the base frozen, adapters on it; with the adapters off it is the KL reference
+            lora = Lora.attach(model, describe_hf_config(hf_config, tp_size), cfg.lora, cfg.seed, tp_rank, tp_size,
+                               pipeline_stage(), recompute_full=cfg.recompute == "full")
         reference = None
         if cfg.kl_coef > 0:
-            reference = megatron_model.build_gpt_model(hf_config, tp_size, params_dtype=dtype)
+            reference = model if lora is not None else megatron_model.build_gpt_model(hf_config, tp_size,
+                                                                                       params_dtype=dtype)
+        if reference is not None and lora is None:
             megatron_model.load_megatron_shard(reference, shard)
             reference.eval().requires_grad_(False)
         images = ImageProcessor.from_model_dir(model_dir) if vision else None
         return cls(model, hf_config, cfg, reference, temperature=temperature, images=images,
-                   share_prompts=cfg.share_prompts)
+                   share_prompts=cfg.share_prompts, lora=lora)
 
     # ------------------------------------------------------------------ the update
 
@@ -169,7 +179,7 @@ class MegatronPolicy:
             plan = whole_batch_plan(batch, self.cfg)
         totals = UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         # the pipeline's reference term: every sample's reference log-probs, before the update
-        reference = self.logprobs_of(self.reference, batch) if self.pipeline is not None and self.reference is not None \
+        reference = self.reference_logprobs(batch) if self.pipeline is not None and self.reference is not None \
             and plan.kl_coef else None
         self.model.train()
         pixels = self._group_pixels(batch)
@@ -210,7 +220,8 @@ class MegatronPolicy:
     def reference_logprobs(self, batch: SampleBatch) -> list[np.ndarray]:
         """The frozen reference's log-probability of every response token, one array per sample (the KL
         in the reward); collective over the TP group, like a forward."""
-        return self.logprobs_of(self.reference, batch)
+        with self._as_reference():
+            return self.logprobs_of(self.reference, batch)
 
     def proximal_logprobs(self, batch: SampleBatch) -> list[np.ndarray]:
         """The policy's own log-probability of every response token under its current weights (decoupled PPO's
@@ -251,6 +262,10 @@ class MegatronPolicy:
             ACTIVITY.progress()
         return out
 
+    def _as_reference(self):
+        """The reference's forwards: with LoRA the reference is the policy's own model with its adapters off."""
+        return self.lora.disabled() if self.lora is not None else contextlib.nullcontext()
+
     @property
     def layout_note(self) -> str:
         """How the update lays out its micro-batches (the trainer's start-up log says it)."""
@@ -284,7 +299,7 @@ class MegatronPolicy:
                                                    self.temperature)
         ref_logp = None
         if self.reference is not None and terms.kl_coef:
-            with torch.no_grad():
+            with torch.no_grad(), self._as_reference():
                 ref_logits = megatron_model.forward_logits(self.reference, inputs, images=images)
                 ref_logp, _ = token_logprobs_and_entropy(ref_logits, targets, self.tp_group,
                                                          self.vocab_size, self.temperature)
@@ -302,7 +317,7 @@ class MegatronPolicy:
         logp, entropy = self._shared_logprobs(self.model, layout, vision)
         ref_logp = None
         if self.reference is not None and terms.kl_coef:
-            with torch.no_grad():
+            with torch.no_grad(), self._as_reference():
                 ref_logp, _ = self._shared_logprobs(self.reference, layout, vision)
         with shared_prompt.active(layout):  # a recomputed layer (train.recompute) attends on the same stream
             return self._loss_backward(logp, entropy, ref_logp, old_logp, layout.mask, adv_tok, keep, terms)
@@ -488,14 +503,18 @@ class MegatronPolicy:
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The model's state dict with every parameter at full (master) precision (a sharded bf16 run: the
         bf16 parameters; its fp32 masters are in the optimizer shards, `optimizer_state`)."""
-        state = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        state = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)
+                 and (self.lora is None or k in self.named_params)}  # LoRA: the adapters (the base is model.path)
         if self.mixed and not self.sharded:
             state.update({name: m.detach() for name, m in self.master.items() if name in state})
         return state
 
     def load_checkpoint_tensors(self, shard: dict[str, torch.Tensor]) -> None:
         """Inverse of `checkpoint_tensors` (a converter shard works too): model and masters."""
-        megatron_model.load_megatron_shard(self.model, shard)
+        if self.lora is not None:
+            self.lora.load(self.model, shard)
+        else:
+            megatron_model.load_megatron_shard(self.model, shard)
         if self.mixed and self.sharded:
             self.optimizer.load_masters(shard)
         elif self.mixed:
@@ -578,9 +597,11 @@ class MegatronPolicy:
     # ------------------------------------------------------------------ weights out
 
     def hf_weights(self):
-        """(hf_name, tensor) of the full model; collective over the TP group (all TP ranks iterate)."""
+        """(hf_name, tensor) of the full model; collective over the TP group (all TP ranks iterate). With LoRA the
+        weights are merged (base + scaling x B A), so the engines need no adapter support."""
         return convert.iter_gathered_hf_weights(self.model, self.hf_config, self.tp_group,
-                                                vision=self.cfg.train_vision_tower, stage=pipeline_stage())
+                                                vision=self.cfg.train_vision_tower, stage=pipeline_stage(),
+                                                local=None if self.lora is None else self.lora.merged_state(self.model))
 
 
 def pipeline_stage() -> convert.Stage:
