@@ -43,9 +43,10 @@ setup(
     extras_require={
         # experiment trackers beside TensorBoard (logging.trackers): W&B, and MLflow's client with its SQLite store
         "trackers": ["wandb>=0.19", "mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic>=1.13"],
-        # uv: `make lock`; the trackers again: their tests run the real libraries (tests/unit/test_lock.py checks)
+        # uv: `make lock`; the trackers again: their tests run the real libraries (tests/unit/test_lock.py checks);
+        # peft: the LoRA tests load our exported adapters with the real library (never imported by yatt_hpc)
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "ruff>=0.5", "uv>=0.5",
-                "wandb>=0.19", "mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic>=1.13"],
+                "wandb>=0.19", "mlflow-skinny>=3.0", "sqlalchemy>=2.0", "alembic>=1.13", "peft>=0.15"],
         "gpu": ["sglang>=0.5.3", "torch_memory_saver"],  # 0.5.3: sampling_seed, weights CPU backup
     },
     entry_points={"console_scripts": ["yatt-hpc=yatt_hpc.cli:main"]},
