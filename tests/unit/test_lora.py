@@ -23,7 +23,7 @@ from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.errors import InputError
 from yatt_hpc.lora import identity
 from yatt_hpc.lora.peft import adapter_config, megatron_to_peft, merge_into_hf, peft_to_megatron, reshard, save_peft
-from yatt_hpc.lora.targets import PEFT_PREFIX, adapter_rules, resolve_targets
+from yatt_hpc.lora.targets import PEFT_PREFIX, peft_shapes, resolve_targets
 from yatt_hpc.train.convert import Stage
 from yatt_hpc.train.hf_arch import describe_hf_config
 
@@ -223,28 +223,13 @@ def test_adapters_reshard_between_layouts_through_the_peft_layout():
     arch = describe_hf_config(hf.config, 1)
     targets = resolve_targets(arch, ["all-linear"])
     generator = torch.Generator().manual_seed(3)
-    model_peft = {}
-    for rule in adapter_rules(arch, targets):
-        rows, cols = (4, rule_in(arch, rule)) if rule.hf[0].endswith("lora_A.weight") else (rule_out(arch, rule), 4)
-        model_peft[PEFT_PREFIX + rule.hf[0]] = torch.randn(rows, cols, generator=generator)
+    model_peft = {PEFT_PREFIX + name: torch.randn(shape, generator=generator)
+                  for name, shape in peft_shapes(arch, targets, 4).items()}
     parts = [[peft_to_megatron(model_peft, hf.config, targets, t, 2, Stage(p, 2)) for t in range(2)] for p in range(2)]
     assert megatron_to_peft(parts, hf.config).keys() == model_peft.keys()
     assert all(torch.equal(megatron_to_peft(parts, hf.config)[k], v) for k, v in model_peft.items())
     one = reshard(parts, hf.config, 0, 0, 1, 1)
     assert all(torch.equal(v, peft_to_megatron(model_peft, hf.config, targets, 0, 1)[k]) for k, v in one.items())
-
-
-def rule_in(arch, rule) -> int:
-    name = rule.hf[0]
-    return arch.num_heads * arch.head_dim if "o_proj" in name else \
-        arch.ffn_hidden_size if "down_proj" in name else arch.hidden_size
-
-
-def rule_out(arch, rule) -> int:
-    name = rule.hf[0]
-    return arch.num_heads * arch.head_dim if "q_proj" in name else arch.num_kv_heads * arch.head_dim \
-        if ("k_proj" in name or "v_proj" in name) else arch.ffn_hidden_size if ("gate" in name or "up_" in name) \
-        else arch.hidden_size
 
 
 # ---------------------------------------------------------------------------- the policy

@@ -154,11 +154,13 @@ def adapter_rules(arch: HFArch, targets: frozenset[str], stage: Stage | None = N
     return rules
 
 
-def base_weight_rules(arch: HFArch, targets: frozenset[str]) -> dict[str, list[Slot]]:
-    """HF weight name -> the slots that adapt it (one each: an HF module has one adapter), over every layer."""
-    out: dict[str, list[Slot]] = {}
+def peft_shapes(arch: HFArch, targets: frozenset[str], rank: int) -> dict[str, tuple[int, int]]:
+    """The whole shape of every adapter tensor by its PEFT name (without `PEFT_PREFIX`): A [r, in], B [out, r]."""
+    out = {}
     for layer in range(arch.num_layers):
         for site in layer_sites(arch, targets):
             for slot in site.slots:
-                out.setdefault(f"{hf_layer_prefix(arch)}{layer}.{slot.hf}.weight", []).append(slot)
+                hf = f"{hf_layer_prefix(arch)}{layer}.{slot.hf}"
+                out[f"{hf}.lora_A.weight"] = (rank, slot.in_features)
+                out[f"{hf}.lora_B.weight"] = (slot.out_features, rank)
     return out
