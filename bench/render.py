@@ -131,6 +131,13 @@ BENCHES = [
         "figures include the trainer process's ~370 MB of torch and Megatron. Train times share 2 busy cores with "
         "other work and move by 1.5x between runs; recomputation's second forward and the budget's smaller "
         "matmuls cost time, not measured closely here.")),
+    Bench("B13", "lora_memory", limits=(
+        "One update (`--steps 1`, ~10 min for both variants on 2 busy cores): full training's peak is then its "
+        "gradients during the backward plus AdamW's moments allocated at the step, not the moments living through "
+        "a later backward (B10's two-update run of the same shape peaks at 10.68 GiB). What LoRA keeps is the "
+        "frozen float32 base (1.9 GiB), the activations of the update (the same as full training's: the adapters "
+        "need every layer's input) and the 152k-vocabulary logits, plus ~370 MB of torch and Megatron; its "
+        "optimizer state and checkpoint are 2 x 4.4 M float32 numbers and the adapters.")),
     Bench("G1", "ckpt_stall_cuda", script="ckpt_stall", run=False, adapt=_ckpt_stall, limits=(
         "One H200, lent briefly; run by hand (`bench/ckpt_stall.py --device cuda`). The async stall is the "
         "device-to-pinned-host copy; the write and commit follow in the background.")),

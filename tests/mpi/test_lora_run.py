@@ -4,7 +4,8 @@ adapters only, a resume ends bitwise where the straight run ended, and both expo
     .venv/bin/python -m pytest tests/mpi/test_lora_run.py -q
 
 One 30-step run of the demo (its config as `make demo` runs it, with LoRA on every linear layer at a 10x learning
-rate, docs/lora.md) is shared by the tests; the resume is 10 more steps from its step-20 checkpoint.
+rate, docs/lora.md, and the adapters' AdamW state sharded over the two DP ranks) is shared by the tests; the resume
+is 10 more steps from its step-20 checkpoint.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from tests.conftest import REPO, checkpoint_weights, final_state, mpi_env
 
 CONFIG = str(REPO / "configs/demo_cpu.yaml")
 POLICY = REPO / "models/demo/policy"
-LORA = ["--set", "train.lora.rank=8", "--set", "train.lr=3e-3", "--set", "logging.progress=false"]
+LORA = ["--set", "train.lora.rank=8", "--set", "train.lr=3e-3", "--set", "train.shard_optimizer=true",
+        "--set", "logging.progress=false"]
 
 
 def yatt(*args, timeout=600):
@@ -45,15 +47,16 @@ def test_the_demo_learns_with_rank_8_adapters(lora_run):
 
 
 def test_checkpoints_hold_the_adapters_their_optimizer_state_and_the_base_identity(lora_run):
+    from yatt_hpc.ckpt.loader import read_optimizer
     from yatt_hpc.ckpt.state import read_records
     from yatt_hpc.lora.identity import base_fingerprint
 
     step = lora_run / "checkpoints" / "step-30"
     weights = checkpoint_weights(lora_run, 30)
     assert weights and all(".adapters." in name for name in weights)
-    optim = load_file(str(step / "optim-tp0-pp0-dp0.safetensors"))
+    optim, _ = read_optimizer(step)  # the two DP ranks' rows (train.shard_optimizer) put together
     assert {k.rpartition(".")[0] for k in optim} == set(weights)
-    assert sum(v.numel() for k, v in optim.items() if not k.endswith(".step")) == 2 * sum(w.numel() for w in weights.values())
+    assert all(optim[f"{name}.exp_avg"].shape == w.shape for name, w in weights.items())
     records = [r for r in read_records(step / "state.h5") if r.identity.startswith("trainer/")]
     assert records and all(r.extra["lora"]["base_sha256"] == base_fingerprint(POLICY) for r in records)
 
@@ -68,8 +71,10 @@ def test_a_lora_run_resumed_from_step_20_ends_bitwise_where_the_straight_run_end
     (wa, ca), (wb, cb) = final_state(lora_run, 30), final_state(resumed, 30)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert ca == cb
-    optim = [load_file(str(run / "checkpoints" / "step-30" / "optim-tp0-pp0-dp0.safetensors")) for run in (lora_run, resumed)]
-    assert all(torch.equal(optim[0][k], optim[1][k]) for k in optim[0])
+    for dp in (0, 1):
+        optim = [load_file(str(run / "checkpoints" / "step-30" / f"optim-tp0-pp0-dp{dp}.safetensors"))
+                 for run in (lora_run, resumed)]
+        assert optim[0].keys() == optim[1].keys() and all(torch.equal(optim[0][k], optim[1][k]) for k in optim[0])
 
 
 def test_export_peft_and_export_hf_give_the_trainers_logits(lora_run, tmp_path, one_rank_world):
@@ -107,3 +112,28 @@ def test_exports_refuse_a_model_dir_that_is_not_the_adapters_base(lora_run, tmp_
     proc = yatt("ckpt", "export-peft", str(lora_run), "--step", "30", "--out", str(tmp_path / "x"),
                 "--model-dir", str(REPO / "models/demo/judge"))
     assert proc.returncode == 2 and "is another model" in proc.stderr
+
+
+def test_a_lora_checkpoint_reshards_into_another_tensor_parallel_layout(lora_run):
+    """Resuming into tp=2 (a requeue onto other nodes): the adapters and their AdamW moments go through the PEFT
+    layout; each TP rank's shard is what splitting the exported adapters gives."""
+    from transformers import AutoConfig
+
+    from yatt_hpc.ckpt.loader import Shards, read_optimizer, reshard_optimizer, reshard_weights
+    from yatt_hpc.lora.peft import megatron_to_peft, peft_to_megatron
+    from yatt_hpc.lora.targets import targets_of
+
+    step = lora_run / "checkpoints" / "step-30"
+    config = AutoConfig.from_pretrained(POLICY)
+    weights, (optim, _) = checkpoint_weights(lora_run, 30), read_optimizer(step)
+    peft = megatron_to_peft([[weights]], config)
+    moments = megatron_to_peft([[{k.removesuffix(".exp_avg"): v for k, v in optim.items() if k.endswith(".exp_avg")}]],
+                               config)
+    for tp_rank in (0, 1):
+        got = reshard_weights(step, config, Shards(1, 1), tp_rank, 0, Shards(2, 1))
+        want = peft_to_megatron(peft, config, targets_of(weights), tp_rank, 2)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        got_optim, _ = reshard_optimizer(step, config, Shards(1, 1), tp_rank, 0, Shards(2, 1))
+        want_moments = peft_to_megatron(moments, config, targets_of(weights), tp_rank, 2)
+        assert all(torch.equal(got_optim[f"{k}.exp_avg"], v) for k, v in want_moments.items())
+        assert any(v.shape != weights[k].shape for k, v in got.items())  # split tensors: this is a real reshard

@@ -35,6 +35,7 @@ RECIPE_RUN = "tests/mpi/test_recipes_run.py"  # runs of each recipe family, and 
 RECOMPUTE = "tests/unit/test_recompute.py"  # activation recomputation: bytes kept, gradients, refusals
 TRACKERS = "tests/unit/test_trackers.py"  # trackers: W&B and MLflow given names and stores, refusals
 TRACKERS_RUN = "tests/mpi/test_trackers_run.py"  # trackers read back after real runs, stopped and resumed
+LORA = "tests/unit/test_lora.py"  # train.lora: adapters, their maths and peft's, refusals
 
 EFFECT: dict[str, str] = {
     # ---------------------------------------------------------------- model
@@ -103,6 +104,10 @@ EFFECT: dict[str, str] = {
                                  "test_balance_and_balance_flops_coeff_choose_the_workload_groups_are_split_by",
     "train.share_prompts": "tests/unit/test_shared_prompt.py::test_policy_update_is_the_same_with_shared_prompts",
     "train.train_vision_tower": "tests/unit/test_vlm_policy.py::test_train_vision_tower_decides_whether_the_tower_moves",
+    "train.lora.rank": f"{LORA}::test_lora_policy_steps_only_the_adapters_and_checkpoints_only_them",
+    "train.lora.alpha": f"{LORA}::test_a_fused_qkv_layer_adds_each_modules_scaled_BAx_in_megatrons_group_order",
+    "train.lora.dropout": f"{LORA}::test_dropout_masks_the_adapters_input_in_the_update_only",
+    "train.lora.target_modules": f"{LORA}::test_a_fused_qkv_layer_adds_each_modules_scaled_BAx_in_megatrons_group_order",
     "train.recompute": f"{RECOMPUTE}::test_recompute_keeps_fewer_activations_for_the_backward",
     "train.recompute_method": f"{RECOMPUTE}::test_recompute_keeps_fewer_activations_for_the_backward",
     "train.recompute_num_layers": f"{RECOMPUTE}::test_recompute_keeps_fewer_activations_for_the_backward",
@@ -268,6 +273,10 @@ REFUSED: dict[str, str] = {
     "slurm.env": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
     "train.max_tokens_per_micro_batch": "tests/unit/test_micro_batches.py::"
                                         "test_nonsense_budgets_are_refused_at_load_naming_the_field_value_and_fix",
+    "train.lora.rank": f"{LORA}::test_lora_settings_that_cannot_act_are_refused_at_load",  # with load_from
+    "train.lora.alpha": f"{LORA}::test_lora_settings_that_cannot_act_are_refused_at_load",  # without a rank
+    "train.lora.dropout": f"{LORA}::test_lora_settings_that_cannot_act_are_refused_at_load",
+    "train.lora.target_modules": f"{LORA}::test_lora_modules_the_model_does_not_have_are_refused_before_launch",
     "train.recompute": f"{RECOMPUTE}::test_recompute_settings_that_cannot_act_are_refused_at_load",
     "rollout.max_staleness": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
     "train.off_policy.correction": "tests/unit/test_off_policy.py::test_settings_that_cannot_act_are_refused",
