@@ -99,3 +99,19 @@ def test_shared_prompts_with_full_recompute_through_the_stages(updates):
     whole, staged = _merged(out, 1, 1), _merged(out, 1, 2)
     for name in whole:
         assert _relative(whole[name], staged[name]) < 1e-6, name
+
+
+@full_matrix_only  # three more launches (~100 s on 2 busy cores); tests/mpi/test_lora_tp2.py covers TP in CI
+def test_lora_through_the_stages_equals_one_stage(mpirun, tmp_path):
+    """train.lora at pp=2 (and tp=2 pp=2): each stage's adapters start as the whole model's (seeded by global
+    layer), the KL reference is the base, and the merged weights after one update are the same."""
+    for tp, pp in ((1, 1), (1, 2), (2, 2)):
+        _run(mpirun, tmp_path, CASE, tp, pp, "--lora", "4")
+    whole, staged, both = _merged(tmp_path, 1, 1), _merged(tmp_path, 1, 2), _merged(tmp_path, 2, 2)
+    assert set(whole) == set(staged) == set(both)
+    assert np.array_equal(np.load(tmp_path / "tp1pp1-logprobs.npy"), np.load(tmp_path / "tp1pp2-logprobs.npy"))
+    moved = 0
+    for name in whole:
+        assert _relative(whole[name], staged[name]) < 1e-6 and _relative(whole[name], both[name]) < 1e-5, name
+        moved += name.endswith("q_proj.weight")
+    assert moved

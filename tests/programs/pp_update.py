@@ -7,7 +7,8 @@ Every rank builds the case's tiny HF model (tests/mpi/convert_tp2_worker.py) fro
 tensor shard. The program writes, from tensor rank 0 of each stage, DIR/<tag>-stage<s>.npz with the stage's
 gradient after one update (grad_clip 0, `grad.<hf name>`) and its weights after it (`weight.<hf name>`), and from
 world rank 0 DIR/<tag>-logprobs.npy: the reference's log-probs of every response token (the forward alone). With
--n 1 --tp 1 --pp 1 it is the reference the pipelined runs are compared with.
+-n 1 --tp 1 --pp 1 it is the reference the pipelined runs are compared with. With --lora R the policy trains rank-R
+adapters (`train.lora`); its weights are then the merged ones the engines get, and no gradient is written.
 """
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--share-prompts", action="store_true")
     ap.add_argument("--recompute", default="none")
+    ap.add_argument("--lora", type=int, default=0, help="train.lora.rank")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
     from tests.mpi.convert_tp2_worker import tiny_hf_model
     from tests.programs.dp_update import global_batch
+    from yatt_hpc.config.lora import LoraConfig
     from yatt_hpc.config.schema import TrainConfig
     from yatt_hpc.train import convert
     from yatt_hpc.train import megatron_model as mm
@@ -57,7 +60,8 @@ def main() -> None:
     mm.initialize_model_parallel(rank, size, "127.0.0.1", port, tp_size=args.tp, pp_size=args.pp, seed=0)
     # lr 1, eps 1: the weights after the step follow the gradient (dp_update.py says why)
     cfg = TrainConfig(lr=1.0, adam_eps=1.0, micro_batch_size=4, prompts_per_step=6, grad_clip=0.0, kl_coef=0.05,
-                      entropy_coef=0.01, share_prompts=args.share_prompts, recompute=args.recompute)
+                      entropy_coef=0.01, share_prompts=args.share_prompts, recompute=args.recompute,
+                      lora=LoraConfig(rank=args.lora))
     torch.manual_seed(0)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     policy = MegatronPolicy.from_hf(model_dir, tp_rank, args.tp, cfg)
@@ -72,10 +76,11 @@ def main() -> None:
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in policy.named_params.items()}
     tp_group = parallel_state.get_tensor_model_parallel_group()
     as_model = types.SimpleNamespace(state_dict=lambda: grads)
-    gathered = {f"grad.{n}": t.numpy() for n, t in convert.iter_gathered_hf_weights(
+    gathered = {} if args.lora else {f"grad.{n}": t.numpy() for n, t in convert.iter_gathered_hf_weights(
         as_model, policy.hf_config, tp_group, emit_tied_lm_head=False, stage=stage)}
+    merged = None if policy.lora is None else policy.lora.merged_state(policy.model)
     gathered.update({f"weight.{n}": t.detach().numpy() for n, t in convert.iter_gathered_hf_weights(
-        policy.model, policy.hf_config, tp_group, emit_tied_lm_head=False, stage=stage)})
+        policy.model, policy.hf_config, tp_group, emit_tied_lm_head=False, stage=stage, local=merged)})
     if tp_rank == 0:
         np.savez(Path(args.out) / f"{tag}-stage{stage.index}.npz", **gathered)
     if rank == 0:
