@@ -234,12 +234,12 @@ def test_adapters_reshard_between_layouts_through_the_peft_layout():
 
 # ---------------------------------------------------------------------------- the policy
 
-def _policy(**lora):
+def _policy(dtype=torch.float32, **lora):
     from yatt_hpc.train.policy import MegatronPolicy
 
     torch.manual_seed(0)
     cfg = TrainConfig(lr=1e-2, micro_batch_size=4, kl_coef=0.1, lora=LoraConfig(rank=8, **lora))
-    return MegatronPolicy.from_hf(DEMO / "policy", 0, 1, cfg)
+    return MegatronPolicy.from_hf(DEMO / "policy", 0, 1, cfg, dtype=dtype)
 
 
 def test_lora_policy_steps_only_the_adapters_and_checkpoints_only_them(one_rank_world):
@@ -268,6 +268,16 @@ def test_lora_policy_steps_only_the_adapters_and_checkpoints_only_them(one_rank_
     weights = dict(policy.hf_weights())
     assert not torch.equal(weights["transformer.h.0.attn.c_attn.weight"], base_hf_weight("transformer.h.0.attn.c_attn.weight"))
     assert torch.equal(weights["transformer.wte.weight"], base_hf_weight("transformer.wte.weight"))
+
+
+def test_a_bf16_lora_policy_keeps_fp32_masters_of_the_adapters_only(one_rank_world):
+    policy = _policy(torch.bfloat16)
+    assert policy.mixed and set(policy.master) == set(policy.named_params)
+    assert {m.dtype for m in policy.master.values()} == {torch.float32}
+    policy.update(*random_update_batch(policy.hf_config.vocab_size))
+    saved = policy.checkpoint_tensors()
+    assert set(saved) == set(policy.named_params) and {t.dtype for t in saved.values()} == {torch.float32}
+    assert {t.dtype for _, t in policy.hf_weights()} == {torch.bfloat16}  # merged, in the engines' dtype
 
 
 def base_hf_weight(name: str) -> torch.Tensor:
