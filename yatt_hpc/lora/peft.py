@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from yatt_hpc.lora.targets import PEFT_PREFIX, adapter_rules, family_modules, targets_of
+from yatt_hpc.config.lora import family_modules
+from yatt_hpc.lora.targets import PEFT_PREFIX, adapter_rules, targets_of
 from yatt_hpc.train.convert import Stage, merge_tensor, split_tensor
 from yatt_hpc.train.hf_arch import describe_hf_config
 
@@ -80,7 +81,7 @@ def adapter_config(rank: int, alpha: float, dropout: float, targets: frozenset[s
                    base_model: str) -> dict:
     """adapter_config.json of these adapters, as `peft.LoraConfig` reads it (its other fields keep PEFT's
     defaults): the target modules by name, in the model's own order."""
-    order = family_modules(describe_hf_config(hf_config, 1))
+    order = family_modules(describe_hf_config(hf_config, 1).family)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

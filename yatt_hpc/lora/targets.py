@@ -27,7 +27,7 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from yatt_hpc.config.lora import ALL_LINEAR, GPT2_MODULES, LLAMA_MODULES
+from yatt_hpc.config.lora import ALL_LINEAR, family_modules
 from yatt_hpc.train.convert import Rule, Split, Stage
 from yatt_hpc.train.hf_arch import HFArch
 
@@ -68,13 +68,9 @@ class Site:
     """Every slot the layer is made of, in output order (an untargeted one adds nothing)."""
 
 
-def family_modules(arch: HFArch) -> tuple[str, ...]:
-    return GPT2_MODULES if arch.family == "gpt2" else LLAMA_MODULES
-
-
 def resolve_targets(arch: HFArch, target_modules: Iterable[str]) -> frozenset[str]:
     """The HF module names `train.lora.target_modules` selects in a model of `arch` (all-linear: all of them)."""
-    names = family_modules(arch)
+    names = family_modules(arch.family)
     wanted = list(target_modules)
     if ALL_LINEAR in wanted:
         return frozenset(names)
