@@ -58,12 +58,13 @@ def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 
 def write_report(name: str, *, question: str, target: str, met: bool | None, verdict: str,
-                 rows: list[dict], raw: dict, notes: str = "") -> Path:
-    """rows: [{"label", "value" (display string), "median", "min", "max", "n"}]; met=None: report only."""
+                 rows: list[dict], raw: dict, notes: str = "", tables: list[dict] | None = None) -> Path:
+    """rows: [{"label", "value" (display string), "median", "min", "max", "n"}]; met=None: report only.
+    tables: more tables for the page, each {"title", "columns", "rows" (lists of display strings)}."""
     path = RESULTS / f"{name}.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"question": question, "target": target, "met": met, "verdict": verdict,
-                                "notes": notes, "rows": rows, "machine": machine(), "raw": raw,
+                                "notes": notes, "rows": rows, "tables": tables or [], "machine": machine(), "raw": raw,
                                 "measured": datetime.now().strftime("%Y-%m-%d %H:%M")}, indent=2) + "\n")
     Console().print(f"{verdict}\nJSON: {path}", highlight=False)
     return path

@@ -8,7 +8,8 @@ renders it and compares (tests/unit/test_docs.py). Every bench/results/*.json ne
 a file without one stops the render naming it.
 
 Adding a benchmark: have its script write the common report (bench/common.write_report: question, target,
-met, verdict, rows [{label, value}], notes, machine) as bench/results/<name>.json, and add
+met, verdict, rows [{label, value}], notes, machine, and optional tables [{title, columns, rows}] shown under
+the result) as bench/results/<name>.json, and add
 
     Bench("B10", "ckpt_memory", limits="What bounds the number today, for a reader.")
 
@@ -131,6 +132,25 @@ BENCHES = [
         "figures include the trainer process's ~370 MB of torch and Megatron. Train times share 2 busy cores with "
         "other work and move by 1.5x between runs; recomputation's second forward and the budget's smaller "
         "matmuls cost time, not measured closely here.")),
+    Bench("B12", "memory_at_scale", limits=(
+        "CPU and fp32 only: bf16 matmuls run ~90x slower than fp32 on this CPU (0.85 against 76 GFLOPS), so the bf16 "
+        "model with fp32 masters an H200 run uses is not measured; docs/scale.md counts its state (8 + 12/dp bytes a "
+        "parameter against fp32's 8 + 8/dp measured here) and its activations take roughly half these bytes. What the"
+        " rows say: sharding divides only the 8 bytes of AdamW moments; selective recomputation saves little (4.35 "
+        "against 4.56 MB/token) because the shared-prompt attention runs SDPA's fused kernel, which keeps no score "
+        "matrix; full recomputation keeps one fp32 hidden-wide tensor a layer, after which the logits (two fp32 "
+        "copies a vocabulary entry) are most of a token; a token budget holds the peak at the micro-batch's size "
+        "whatever the step's. A layer keeps 7 fp32 hidden-wide tensors a token on every tensor-parallel rank (no "
+        "sequence parallelism), which is why tp8 without full recomputation fits 4k-token micro-batches at 32B and "
+        "none at 72B. The optimizer step's +1.09 GB is torch's fused CPU AdamW (two temporaries the size of each "
+        "tensor, the 544 MB embedding the largest); a two-point slope moves by up to ~30% with where the log-prob "
+        "chunks fall (6 layers at four lengths: 1.5 to 2.6 MB/token between neighbours), so the calibration takes "
+        "layer counts' differences at equal tokens (within 2% between lengths); sharded-dp2 runs short responses to "
+        "fit two 0.5B ranks in 24 GB. On paper, assumed and not measured: that a layer's split scales with hidden and"
+        " intermediate widths, the 1F1B in-flight micro-batches of the pp rows (computed from the layer split, not "
+        "measured), and a 10% spare for the CUDA context, NCCL and the allocator; not counted: a reference model "
+        "(train.kl_coef > 0, 4 bytes a parameter over tp) and the shared-prompt attention masks (a byte per query-key"
+        " pair, 1 GB for one 32k-token response).")),
     Bench("B13", "lora_memory", limits=(
         "One update (`--steps 1`, ~10 min for both variants on 2 busy cores): full training's peak is then its "
         "gradients during the backward plus AdamW's moments allocated at the step, not the moments living through "
@@ -138,6 +158,11 @@ BENCHES = [
         "frozen float32 base (1.9 GiB), the activations of the update (the same as full training's: the adapters "
         "need every layer's input) and the 152k-vocabulary logits, plus ~370 MB of torch and Megatron; its "
         "optimizer state and checkpoint are 2 x 4.4 M float32 numbers and the adapters.")),
+    Bench("B14", "async_overlap", limits=(
+        "One rank and one thread per group on a 2-core machine: training and generation overlap only as far as "
+        "the two cores are free, and the polled waits of the idle ranks and other work on the machine take from "
+        "them; the phases are short (~0.1-0.2 s), so a step's fixed costs (the weight sync, the step report) are a "
+        "large share. The learning rows are the demo's own shape (dp 2) over 30 steps, 3 seeds each.")),
     Bench("G1", "ckpt_stall_cuda", script="ckpt_stall", run=False, adapt=_ckpt_stall, limits=(
         "One H200, lent briefly; run by hand (`bench/ckpt_stall.py --device cuda`). The async stall is the "
         "device-to-pinned-host copy; the write and commit follow in the background.")),
@@ -166,7 +191,8 @@ up and how to add one: [docs/benchmarks.md](docs/benchmarks.md).
 * **Payloads.** B2 and B8 move synthetic payloads (uint8 images; token ids and logprobs with log-normal
   lengths) without models, so the data plane is what is measured. B4 uses a tiny random policy whose
   end-of-sequence rate gives long-tailed response lengths. B9 runs TRL's GRPOTrainer and yatt-hpc on the
-  same task, weights, prompts, reward and GRPO settings.
+  same task, weights, prompts, reward and GRPO settings. B10 and B12 build Qwen2.5-0.5B's layout with
+  random weights from its config.
 * **GPU rows** (G1, G2) come from a briefly lent H200 and are run by hand, not by `make bench`.
 
 ## Results
@@ -198,6 +224,10 @@ def section(bench: Bench, report: dict) -> list[str]:
              "", "| measurement | median [min-max] (n) |", "|---|---|"]
     lines += [f"| {r['label']} | {r['value']} |" for r in report["rows"]]
     lines += ["", f"**Result.** {report['verdict']}."]
+    for table in report.get("tables", []):
+        lines += ["", f"**{table['title']}.**", "", "| " + " | ".join(table["columns"]) + " |",
+                  "|" + "---|" * len(table["columns"])]
+        lines += ["| " + " | ".join(row) + " |" for row in table["rows"]]
     if report.get("notes"):
         lines += ["", f"**Setup.** {report['notes']}"]
     lines += ["", f"**What limits it.** {bench.limits}"]
