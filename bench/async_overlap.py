@@ -44,7 +44,7 @@ def overlap_sets(args, staleness: int) -> list[str]:
     one = "{nodes: 1, tasks_per_node: 1, cpus_per_task: 1}"
     return [f"train.steps={args.steps}", f"train.prompts_per_step={args.prompts}",
             f"rollout.samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.max_new_tokens}",
-            "reward.mode=rule_only", "eval.every=0", "eval.sources=[]", "eval.samples_per_prompt=1",
+            "reward.mode=rule_only", "eval.sources=[]", "eval.samples_per_prompt=1",
             "eval.max_prompts=null", "checkpoint.interval=0", "logging.progress=false", "placement.mode=disjoint",
             "placement.trainer={nodes: 1, tasks_per_node: 1, cpus_per_task: 1, tp: 1, dp: 1}",
             f"placement.rollout={one}", f"placement.genrm={one}", f"rollout.max_staleness={staleness}"]
@@ -54,9 +54,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--curves", action="store_true")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="async-overlap-"))

@@ -161,8 +161,9 @@ BENCHES = [
     Bench("B14", "async_overlap", limits=(
         "One rank and one thread per group on a 2-core machine: training and generation overlap only as far as "
         "the two cores are free, and the polled waits of the idle ranks and other work on the machine take from "
-        "them; the phases are short (~0.1-0.2 s), so a step's fixed costs (the weight sync, the step report) are a "
-        "large share. The learning rows are the demo's own shape (dp 2) over 30 steps, 3 seeds each.")),
+        "them; the phases are short (~0.2-0.3 s at 32 prompts x 8 samples of up to 24 tokens), so a step's fixed "
+        "costs (the weight sync, the step report) are a large share. The learning rows are the demo's own shape "
+        "(dp 2) over 30 steps, 3 seeds each.")),
     Bench("G1", "ckpt_stall_cuda", script="ckpt_stall", run=False, adapt=_ckpt_stall, limits=(
         "One H200, lent briefly; run by hand (`bench/ckpt_stall.py --device cuda`). The async stall is the "
         "device-to-pinned-host copy; the write and commit follow in the background.")),
