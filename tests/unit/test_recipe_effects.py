@@ -197,7 +197,7 @@ def _scores(policy, batch) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Each sample's per-token log-probabilities and entropies under the policy as it is now."""
     from yatt_hpc.train import megatron_model
     from yatt_hpc.train.logprobs import token_logprobs_and_entropy
-    from yatt_hpc.train.policy import pack_micro_batch
+    from yatt_hpc.train.step_plan import pack_micro_batch
 
     tokens, _, _ = pack_micro_batch(batch)
     with torch.no_grad():

@@ -68,7 +68,7 @@ def test_shared_forward_gives_the_padded_logprobs_entropies_and_gradients(one_ra
     from yatt_hpc.train import convert, shared_prompt
     from yatt_hpc.train import megatron_model as mm
     from yatt_hpc.train.logprobs import token_logprobs_and_entropy
-    from yatt_hpc.train.policy import pack_micro_batch
+    from yatt_hpc.train.step_plan import pack_micro_batch
 
     hf = tiny_hf_model(case, seed=3)
     model = mm.build_gpt_model(hf.config, 1)

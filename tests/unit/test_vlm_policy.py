@@ -74,7 +74,7 @@ def test_images_ride_once_per_group_as_their_encoded_bytes(vlm_dir):
 def test_policy_logprobs_on_image_prompts_equal_hf(vlm_dir, one_rank_world):
     from yatt_hpc.train import megatron_model as mm
     from yatt_hpc.train.logprobs import token_logprobs_and_entropy
-    from yatt_hpc.train.policy import pack_micro_batch
+    from yatt_hpc.train.step_plan import pack_micro_batch
 
     policy = _policy(vlm_dir, one_rank_world)
     batch = _batch(vlm_dir)
@@ -120,7 +120,7 @@ def test_an_image_pad_the_policy_sampled_is_text_in_the_trainer_as_in_the_engine
     position, so the trainer must too (it is not an image slot)."""
     from yatt_hpc.train import megatron_model as mm
     from yatt_hpc.train.logprobs import token_logprobs_and_entropy
-    from yatt_hpc.train.policy import pack_micro_batch
+    from yatt_hpc.train.step_plan import pack_micro_batch
 
     policy = _policy(vlm_dir, one_rank_world)
     batch = _batch(vlm_dir).select(np.array([0]))

@@ -134,7 +134,7 @@ def forward_tokens(prompt_len: np.ndarray, response_len: np.ndarray, prompt_id: 
                    share_prompts: bool) -> int:
     """Tokens one forward over these samples processes: with the shared-prompt forward, each distinct prompt
     once plus each sample's response tokens but its last (`shared_prompt.build_layout`'s stream); on padded
-    rows, the rows times the longest row's inputs (`policy.pack_micro_batch`, inputs = tokens[:, :-1])."""
+    rows, the rows times the longest row's inputs (`pack_micro_batch`, inputs = tokens[:, :-1])."""
     prompt_len, response_len = np.asarray(prompt_len, np.int64), np.asarray(response_len, np.int64)
     if not len(prompt_len):
         return 0
@@ -188,3 +188,31 @@ def _group_pieces(prompt_len: np.ndarray, response_len: np.ndarray, prompt_id: n
                 pieces.append(([int(i)], prompt + int(inputs[i])))
         items.extend((np.array(held), used) for held, used in pieces)
     return items
+
+
+def response_aligned(prompt_lens: np.ndarray, values: list[np.ndarray], width: int) -> torch.Tensor:
+    """[B, width] float32 with sample i's per-response-token `values` at its target positions P-1 .. P-1+R-1."""
+    out = torch.zeros(len(values), width)
+    for i, (p, v) in enumerate(zip(prompt_lens, values)):
+        out[i, p - 1:p - 1 + len(v)] = torch.from_numpy(np.asarray(v, np.float32))
+    return out
+
+
+def pack_micro_batch(mb: SampleBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded token matrix [B, L], response mask and old logprobs aligned to targets [B, L-1].
+
+    Target position t predicts token t+1, so response token j (at sequence index P+j) is scored at
+    target position P+j-1.
+    """
+    prompts, responses, logps = mb.ragged("prompt_tokens"), mb.ragged("response_tokens"), mb.ragged("logprobs")
+    length = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    tokens = torch.zeros(len(mb), length, dtype=torch.long)
+    mask = torch.zeros(len(mb), length - 1)
+    old = torch.zeros(len(mb), length - 1)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, logps)):
+        seq = np.concatenate([p, r])
+        tokens[i, : len(seq)] = torch.from_numpy(seq.astype(np.int64))
+        lo, hi = len(p) - 1, len(p) - 1 + len(r)
+        mask[i, lo:hi] = 1.0
+        old[i, lo:hi] = torch.from_numpy(lp.astype(np.float32))
+    return tokens, mask, old
