@@ -45,7 +45,6 @@ def one_variant(layers: int, steps: int, variant: str, run_dir: Path) -> dict:
     """Runs in its own process (`--variant`): the policy, its updates and saves; returns the measurements."""
     import numpy as np
     import torch
-    from transformers import Qwen2Config
 
     from tests.programs.update_digest import batch_of
     from yatt_hpc.ckpt import CheckpointManager, RankState
@@ -59,9 +58,9 @@ def one_variant(layers: int, steps: int, variant: str, run_dir: Path) -> dict:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mm.initialize_model_parallel(0, 1, "127.0.0.1", port, tp_size=1, seed=0)
-    config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=layers, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
-                         tie_word_embeddings=True)
+    from common import qwen05b_config
+
+    config = qwen05b_config(layers)
     policy = MegatronPolicy(mm.build_gpt_model(config, 1), config, TrainConfig(lr=1e-6), share_prompts=True)
     params = sum(p.numel() for p in policy.model.parameters())
     cap = VARIANTS[variant]

@@ -33,11 +33,10 @@ GIB = 2**30
 
 
 def save_random_qwen2(path: Path, layers: int) -> int:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from common import qwen05b_config
+    from transformers import Qwen2ForCausalLM
 
-    config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=layers, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
-                         tie_word_embeddings=True, eos_token_id=151643, bos_token_id=151643)
+    config = qwen05b_config(layers, eos_token_id=151643, bos_token_id=151643)
     with torch.device("cuda"):  # random init on the GPU: seconds instead of minutes on the host
         model = Qwen2ForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)

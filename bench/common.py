@@ -88,3 +88,14 @@ def mpirun_argv(np_: int, script: Path, *args: str) -> list[str]:
     if not mpirun:
         raise SystemExit("mpirun not found on PATH: `make system-deps` installs Open MPI")
     return [mpirun, "-np", str(np_), "--oversubscribe", "--bind-to", "none", PYTHON, str(script), *args]
+
+
+def qwen05b_config(layers: int, **extra):
+    """A transformers Qwen2Config of Qwen2.5-0.5B's shape (hidden 896, 14 heads over 2 KV heads, intermediate 4864,
+    the 151,936-token vocabulary, tied embeddings) with `layers` layers: the real-size shape the CPU benches build
+    with random weights (no model hub here)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=layers, num_attention_heads=14,
+                       num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
+                       tie_word_embeddings=True, **extra)

@@ -38,7 +38,6 @@ def one_variant(layers: int, steps: int, rank: int, variant: str, run_dir: Path)
     """Runs in its own process (`--variant`): the policy, its updates and one save; returns the measurements."""
     import numpy as np
     import torch
-    from transformers import Qwen2Config
 
     from tests.programs.update_digest import batch_of
     from yatt_hpc.ckpt import CheckpointManager, RankState
@@ -54,9 +53,9 @@ def one_variant(layers: int, steps: int, rank: int, variant: str, run_dir: Path)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     mm.initialize_model_parallel(0, 1, "127.0.0.1", port, tp_size=1, seed=0)
-    config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=layers, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096,
-                         tie_word_embeddings=True)
+    from common import qwen05b_config
+
+    config = qwen05b_config(layers)
     lora_cfg = LoraConfig(rank=rank, alpha=2.0 * rank) if variant == "lora" else LoraConfig()
     model = mm.build_gpt_model(config, 1)
     lora = Lora.attach(model, describe_hf_config(config, 1), lora_cfg, 0, 0, 1) if lora_cfg.enabled else None
