@@ -74,6 +74,21 @@ def logs(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("job_*.log")))
 
 
+def preempt_held_run(run_dir: Path, tmp_path: Path, *extra: str) -> str:
+    """Submit the run to the low-priority partition with step 7 held until the preemption's signal (14 steps of
+    ~0.09 s had left it 7 to spare), preempt it with a job on the high-priority partition that needs every node,
+    and wait until it has been requeued and completed; the high job's id."""
+    sub = submit(run_dir, "slurm.partition=debug", *extra, *held_overrides(tmp_path / "held", "signal", at_version=6))
+    wait_for_file(holding_marker(tmp_path / "held"), timeout_s=240)
+    high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--nodes=4", "--time=2",
+                           f"--output={tmp_path}/high-%j.out", "--wrap", "sleep 5"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    states = wait_job(sub.job_id, poll_s=1, timeout_s=500)
+    assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
+    assert restart_count(run_dir, sub.job_id) >= 1
+    return high
+
+
 @full_matrix_only  # the requeue path of (a) and (d), triggered by hand
 def test_scontrol_requeue_mid_run_resumes_and_completes(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
@@ -90,16 +105,7 @@ def test_scontrol_requeue_mid_run_resumes_and_completes(slurm_cluster, uninterru
 
 def test_preempted_job_saves_requeues_and_completes(slurm_cluster, uninterrupted, tmp_path):
     run_dir = tmp_path / "run"
-    # step 7 holds until the preemption's signal: 14 steps of ~0.09 s had left it 7 to spare
-    sub = submit(run_dir, "slurm.partition=debug", *held_overrides(tmp_path / "held", "signal", at_version=6))
-    wait_for_file(holding_marker(tmp_path / "held"), timeout_s=240)
-    # a job on the high-priority partition that needs every node preempts ours
-    high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--nodes=4", "--time=2",
-                           f"--output={tmp_path}/high-%j.out", "--wrap", "sleep 5"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    states = wait_job(sub.job_id, poll_s=1, timeout_s=500)
-    assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
-    assert restart_count(run_dir, sub.job_id) >= 1
+    high = preempt_held_run(run_dir, tmp_path)
     log = logs(run_dir)
     assert "stop signal" in log or "resumed from checkpoint step" in log
     assert_same_weights(checkpoint_weights(run_dir, STEPS), uninterrupted)
@@ -184,14 +190,8 @@ def test_a_preempted_asynchronous_job_requeues_and_resumes_bitwise(slurm_cluster
                           cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     run_dir = tmp_path / "run"
-    sub = submit(run_dir, "slurm.partition=debug", *ASYNC, *held_overrides(tmp_path / "held", "signal", at_version=6))
-    wait_for_file(holding_marker(tmp_path / "held"), timeout_s=240)
-    high = subprocess.run(["sbatch", "--parsable", "--partition=high", "--nodes=4", "--time=2",
-                           f"--output={tmp_path}/high-%j.out", "--wrap", "sleep 5"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    states = wait_job(sub.job_id, poll_s=1, timeout_s=500)
-    assert set(states.values()) == {"COMPLETED"}, (states, logs(run_dir)[-3000:])
-    assert restart_count(run_dir, sub.job_id) >= 1 and "resumed from checkpoint step" in logs(run_dir)
+    high = preempt_held_run(run_dir, tmp_path, *ASYNC)
+    assert "resumed from checkpoint step" in logs(run_dir)
     assert finished_steps(run_dir) == STEPS
     assert_same_weights(checkpoint_weights(run_dir, STEPS), checkpoint_weights(straight, STEPS))
     subprocess.run(["scancel", high])
