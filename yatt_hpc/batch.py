@@ -35,7 +35,7 @@ import numpy as np
 
 LENGTH_OF = {"prompt_tokens": "prompt_len", "response_tokens": "response_len", "logprobs": "response_len",
              "answer": "answer_len", "question": "question_len", "metadata": "metadata_len",
-             "images": "images_len", "image_sizes": "image_count"}
+             "images": "images_len", "image_sizes": "image_count", "response_mask": "response_len"}
 """Each ragged (flat) column and the per-sample column holding its length in elements."""
 RAGGED = tuple(LENGTH_OF)
 
@@ -67,11 +67,17 @@ class SampleBatch:
     image_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # bytes of each image
     images_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     images: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # encoded images (PNG, JPEG..)
+    # per response token: 1 sampled by the model, 0 not (an agent's tool results and the template around them:
+    # no loss, ratio, KL or entropy there; docs/agentic.md); all ones when a batch is built without it
+    response_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    env_reward: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # agent.environment's, summed
 
     def __post_init__(self) -> None:
         self._wire: tuple[np.ndarray, tuple] | None = None  # (buffer, the column objects it backs)
         # per-sample columns not given yet (e.g. rewards of a prompt batch) start as zeros
         n = len(self)
+        if self.response_tokens.size and not self.response_mask.size:
+            self.response_mask = np.ones(self.response_tokens.size, np.uint8)
         if not n:
             return
         for name in PER_SAMPLE:
@@ -99,6 +105,15 @@ class SampleBatch:
         images, sizes = self.ragged("images"), self.ragged("image_sizes")
         for i in np.flatnonzero(self.image_count):
             out[int(self.prompt_id[i])] = np.split(images[i], np.cumsum(sizes[i])[:-1])
+        return out
+
+    def final_turns(self) -> list[np.ndarray]:
+        """Each response's last run of model-sampled tokens (its answer after an agent's tool turns; the whole
+        response of a single-turn sample): what a rule verifier or a judge reads."""
+        out = []
+        for tokens, mask in zip(self.ragged("response_tokens"), self.ragged("response_mask")):
+            outside = np.flatnonzero(mask == 0)
+            out.append(tokens[outside[-1] + 1:] if outside.size else tokens)
         return out
 
     def answers(self) -> list[str]:
@@ -130,6 +145,8 @@ class SampleBatch:
         this batch, e.g. a rollout's responses: one buffer, ready to send, no packing copy after."""
         index = np.asarray(index, dtype=np.int64)
         n = len(index)
+        if "response_tokens" in given and "response_mask" not in given:  # single-turn: every token sampled
+            given["response_mask"] = np.ones(given["response_tokens"].size, np.uint8)
         _check_given(given)
         gathers: dict[str, np.ndarray] = {}  # per length column: where the picked samples' elements are
         sizes = {}

@@ -65,7 +65,7 @@ from yatt_hpc.sched.balance import balance_coeff
 from yatt_hpc.sched.dynamic_sampling import DynamicSampler, has_signal
 from yatt_hpc.sched.overdispatch import PromptQueue, dispatch_count, relayout_positions
 from yatt_hpc.sched.routing import Routes
-from yatt_hpc.train.step_plan import kl_controller, plan_update, reward_kl, step_advantages, step_lr
+from yatt_hpc.train.step_plan import kl_controller, masked_behavior, plan_update, reward_kl, step_advantages, step_lr
 from yatt_hpc.vision.processor import ImageProcessor, is_vision_model
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class TrainerController(AsyncSteps, BaseController):
         penalties, kl_seen = None, np.zeros(2)
         if tc.kl_in_reward:  # r_t -= beta kl_t, kl of the sampling policy (the rollout's logprobs) to the reference
             penalties, kl_sum = reward_kl(batch, self.policy.reference_logprobs(batch), tc, self.kl.coef)
-            kl_seen = np.array([kl_sum, float(batch.response_len.sum())])
+            kl_seen = np.array([kl_sum, float(batch.response_mask.sum())])
         adv = step_advantages(batch, tc, penalties, reduce=self.sum_over_replicas)
         plan = plan_update(batch, tc, self.cfg.rollout.max_new_tokens, gather=self.gather_over_replicas,
                            reduce=self.sum_over_replicas, kl_coef=0.0 if tc.kl_in_reward else self.kl.coef)
@@ -215,7 +215,7 @@ class TrainerController(AsyncSteps, BaseController):
         if isinstance(values, np.ndarray):
             values = [np.full(n, a, np.float32) for a, n in zip(values, batch.response_len)]
         proximal = self.policy.proximal_logprobs(batch)
-        behavior = batch.ragged("logprobs")
+        behavior = masked_behavior(batch, proximal)  # tokens the model did not sample: weight 1
         weights, stats = importance_weights(proximal, behavior, op.correction, op.cap, op.mask_low, op.mask_high)
         if self.is_owner:
             for key, value in zip(("is_tokens", "is_weight_sum", "is_weight_max", "is_truncated", "is_masked"),

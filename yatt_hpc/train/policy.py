@@ -316,7 +316,7 @@ class MegatronPolicy(StageUpdate):
     def _shared_micro_step(self, mb: SampleBatch, adv: list[np.ndarray], keep: np.ndarray, terms: LossTerms,
                            pixels: update_images.Pixels) -> UpdateStats:
         """`_micro_step` on the shared-prompt stream: [N, R] response-aligned logprobs instead of [N, L-1]."""
-        layout = shared_prompt.build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"), mb.prompt_id)
+        layout = shared_prompt.layout_of(mb)  # the loss mask leaves out the tokens the model did not sample
         old_logp = shared_prompt.padded(mb.ragged("logprobs"), layout.targets.shape[1])
         adv_tok = shared_prompt.padded(adv, layout.targets.shape[1])
         vision = None if self.images is None else \

@@ -63,11 +63,18 @@ class SharedLayout:
                                for k, v in vars(self).items()})
 
 
+def layout_of(mb) -> SharedLayout:
+    """The layout of a micro-batch (a SampleBatch); its `mask` leaves out what the model did not sample."""
+    return build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"), mb.prompt_id, mb.ragged("response_mask"))
+
+
 def build_layout(prompts: list[np.ndarray], responses: list[np.ndarray],
-                 groups: np.ndarray | None = None) -> SharedLayout:
+                 groups: np.ndarray | None = None, sampled: list[np.ndarray] | None = None) -> SharedLayout:
     """The shared stream of samples whose prompts are `prompts` and whose sampled tokens are `responses`;
     samples keep their order in every [N, ...] tensor. Samples share a prompt when its tokens are equal and
-    so are their `groups` (the prompt ids: two groups may ask the same text about different images)."""
+    so are their `groups` (the prompt ids: two groups may ask the same text about different images).
+    `sampled`: per response token 1 where the model sampled it, 0 where not (an agent's tool results): the
+    layout's `mask`, the loss's, is 0 there (every token counts when None)."""
     groups = np.zeros(len(prompts), np.int64) if groups is None else np.asarray(groups, np.int64)
     distinct: dict[tuple[int, bytes], int] = {}
     group_of = np.array([distinct.setdefault((int(g), _key(p)), len(distinct)) for g, p in zip(groups, prompts)],
@@ -98,6 +105,8 @@ def build_layout(prompts: list[np.ndarray], responses: list[np.ndarray],
     rows = _attention_rows(prompt_rows, prompt_valid, group_of, response_start, inputs, cursor)
     source, targets, valid = _predictions(responses, lengths, response_start,
                                           starts[group_of] + prompt_len[group_of] - 1)
+    if sampled is not None:
+        valid = valid & (_left_aligned(sampled, valid.shape[1], np.int64) > 0)
     stream = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64)
     in_prompt = np.zeros(cursor, bool)
     in_prompt[prompt_rows[prompt_valid]] = True

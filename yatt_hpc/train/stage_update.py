@@ -25,8 +25,7 @@ class StageUpdate:
     def _stage_inputs(self, mb: SampleBatch, pixels: update_images.Pixels):
         """What every stage builds for a micro-batch: the padded tokens or the shared-prompt stream."""
         if self.share_prompts:
-            layout = shared_prompt.build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"), mb.prompt_id)
-            return layout.to(self.device)
+            return shared_prompt.layout_of(mb).to(self.device)
         tokens, mask, old_logp = pack_micro_batch(mb)
         return tokens.to(self.device), mask.to(self.device), old_logp.to(self.device)
 

@@ -76,7 +76,8 @@ def plan_update(batch: SampleBatch, cfg, norm_len: int, gather: Callable[[list],
     parts = np.array_split(groups, cfg.mini_batches)
     minibatches = [np.flatnonzero(np.isin(batch.prompt_id, part)) for part in parts]
     counted = keep * (batch.response_len > 0)
-    local = np.array([[float((batch.response_len[idx] * keep[idx]).sum()), float(counted[idx].sum())]
+    sampled = sampled_tokens(batch)  # the tokens in the loss: an agent's tool results are not
+    local = np.array([[float((sampled[idx] * keep[idx]).sum()), float(counted[idx].sum())]
                       for idx in minibatches], np.float64)
     sums = reduce(local.reshape(-1)).reshape(local.shape)
     return UpdatePlan(minibatches, [Totals(tokens=float(t), sequences=float(s)) for t, s in sums], keep,
@@ -102,9 +103,22 @@ def reward_kl(batch: SampleBatch, ref_logprobs: list[np.ndarray], cfg, coef: flo
     """`train.kl_in_reward`: per sample, coef x the `cfg.kl_estimator` KL of each token of the sampling policy
     (the rollout's log-probabilities) to the reference; and the KL's sum over the tokens."""
     kl = [kl_estimate(cfg.kl_estimator, torch.from_numpy(np.asarray(old, np.float32)),
-                      torch.from_numpy(np.asarray(ref, np.float32))).numpy().astype(np.float64)
-          for old, ref in zip(batch.ragged("logprobs"), ref_logprobs)]
+                      torch.from_numpy(np.asarray(ref, np.float32))).numpy().astype(np.float64) * sampled
+          for old, ref, sampled in zip(batch.ragged("logprobs"), ref_logprobs, batch.ragged("response_mask"))]
     return [coef * k for k in kl], float(sum(k.sum() for k in kl))
+
+
+def sampled_tokens(batch: SampleBatch) -> np.ndarray:
+    """Per sample, how many response tokens the model sampled (`response_mask`; all of a single-turn response)."""
+    owner = np.repeat(np.arange(len(batch)), batch.response_len)
+    return np.bincount(owner, weights=batch.response_mask, minlength=len(batch)).astype(np.float64)
+
+
+def masked_behavior(batch: SampleBatch, proximal: list[np.ndarray]) -> list[np.ndarray]:
+    """The engine's log-probabilities, with the proximal ones where the model did not sample the token (an
+    agent's tool results: the engine has none there), so those tokens' importance weight is 1."""
+    return [np.where(m > 0, b, p).astype(np.float32)
+            for b, p, m in zip(batch.ragged("logprobs"), proximal, batch.ragged("response_mask"))]
 
 
 def step_lr(step: int, cfg) -> float:
@@ -205,14 +219,15 @@ def pack_micro_batch(mb: SampleBatch) -> tuple[torch.Tensor, torch.Tensor, torch
     target position P+j-1.
     """
     prompts, responses, logps = mb.ragged("prompt_tokens"), mb.ragged("response_tokens"), mb.ragged("logprobs")
+    sampled = mb.ragged("response_mask")  # an agent's tool results carry no loss
     length = max(len(p) + len(r) for p, r in zip(prompts, responses))
     tokens = torch.zeros(len(mb), length, dtype=torch.long)
     mask = torch.zeros(len(mb), length - 1)
     old = torch.zeros(len(mb), length - 1)
-    for i, (p, r, lp) in enumerate(zip(prompts, responses, logps)):
+    for i, (p, r, lp, m) in enumerate(zip(prompts, responses, logps, sampled)):
         seq = np.concatenate([p, r])
         tokens[i, : len(seq)] = torch.from_numpy(seq.astype(np.int64))
         lo, hi = len(p) - 1, len(p) - 1 + len(r)
-        mask[i, lo:hi] = 1.0
+        mask[i, lo:hi] = torch.from_numpy(m.astype(np.float32))
         old[i, lo:hi] = torch.from_numpy(lp.astype(np.float32))
     return tokens, mask, old

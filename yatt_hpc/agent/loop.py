@@ -1,0 +1,204 @@
+"""Multi-turn rollouts on any engine: model turn -> tool calls -> tool results -> next model turn.
+
+    loop = AgentLoop(cfg.agent, tokenizer, max_new_tokens=64, engine_seed=0, toolbox=build_toolbox(cfg.agent))
+    results = loop.run(engine, requests, rows)      # one AgentResult per request, in order
+    results[0].result.response_ids, results[0].mask  # every token after the prompt; 1 where the model sampled it
+
+Test: .venv/bin/python -m pytest tests/unit/test_agent_loop.py (HF engine, real tokenizers);
+      tests/mpi/test_agent_run.py (a run over mpirun).
+
+Token-in/token-out: a trajectory is one list of token ids. Each turn the live trajectories go to the engine
+together as requests whose prompt is the row's prompt plus everything so far (`GenerationRequest.prompt_ids`:
+the HF engine's decode and SGLang's `input_ids` alike), so the model's tokens are never decoded and encoded
+again; tool results are rendered by the chat template and appended as ids with mask 0 and logprob 0.
+Turn k of a sample samples with a seed mixed from its first turn's seed and k: a sample is a function of its
+seed, the weights and the (deterministic) tools, so a resumed run regenerates it exactly.
+
+A trajectory ends `stop` when a model turn that ended on a stop token calls no tool (the answer) or the
+environment says done; `length` when a turn hit its token cap, the response budget
+(`agent.max_response_tokens`) cannot hold the tool results and another turn, or the last allowed turn
+(`agent.max_turns`) still calls tools; `abort` when the engine aborted a turn or `cancelled()` turned true
+between turns (over-dispatch: the owner's groups are complete).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from yatt_hpc.agent.calls import TurnRenderer, parse_tool_calls
+from yatt_hpc.agent.tools import ToolBox, ToolCall, import_object
+from yatt_hpc.config.agent import AgentConfig
+from yatt_hpc.rollout.engine import GenerationRequest, GenerationResult
+
+log = logging.getLogger(__name__)
+_SEED_LIMIT = 2**63
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    result: GenerationResult
+    """The trajectory as one response: every token after the prompt, logprob 0 where the model did not sample."""
+    mask: np.ndarray
+    """uint8 per response token: 1 sampled by the model (trained on), 0 tool results and template tokens."""
+    turns: int
+    env_reward: float = 0.0
+
+
+@dataclass
+class _Trajectory:
+    request: GenerationRequest
+    env: object | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turns: int = 0
+    finish: str | None = None
+    version: int = -1
+    env_reward: float = 0.0
+    tool_ok: int = 0
+
+    def extend(self, ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        self.tokens.extend(int(i) for i in ids)
+        self.logprobs.extend([0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs])
+        self.mask.extend([0 if logprobs is None else 1] * len(ids))
+
+
+def turn_seed(first: int, turn: int) -> int:
+    """The seed of turn `turn` (>= 1) of a sample whose first turn samples with `first`."""
+    mixed = np.random.SeedSequence([first & 0xFFFFFFFF, (first >> 32) & 0xFFFFFFFF, turn])
+    return int(mixed.generate_state(1, dtype=np.uint64)[0] % _SEED_LIMIT)
+
+
+class AgentLoop:
+    """Drives one rollout rank's multi-turn trajectories (see the module docstring)."""
+
+    def __init__(self, cfg: AgentConfig, tokenizer, *, max_new_tokens: int, engine_seed: int,
+                 toolbox: ToolBox | None = None, template: str | None = None) -> None:
+        self.cfg, self.tokenizer, self.toolbox = cfg, tokenizer, toolbox
+        self.max_new_tokens, self.engine_seed = max_new_tokens, engine_seed
+        self.renderer = TurnRenderer(tokenizer, template, cfg.tool_role)
+        self.env_class = import_object(cfg.environment, "agent.environment") if cfg.environment else None
+        self.stats: Counter = Counter()  # counted since the last `take_stats`
+
+    def take_stats(self) -> dict[str, float]:
+        out, self.stats = dict(self.stats), Counter()
+        return out
+
+    def run(self, engine, requests: Sequence[GenerationRequest], rows: Sequence[dict] | None = None,
+            cancelled: Callable[[], bool] = lambda: False) -> list[AgentResult]:
+        trajs = [_Trajectory(r) for r in requests]
+        if self.env_class is not None:
+            for traj, row in zip(trajs, rows or [{}] * len(trajs)):
+                self._reset_env(traj, row)
+        for turn in range(self.cfg.max_turns):
+            live = [t for t in trajs if t.finish is None]
+            if not live:
+                break
+            if cancelled():
+                for t in live:
+                    t.finish = "abort"
+                break
+            results = engine.generate([self._request(t, turn) for t in live])
+            pending: list[tuple[_Trajectory, list[ToolCall | str], GenerationResult]] = []
+            for traj, res in zip(live, results):
+                traj.turns += 1
+                traj.version = res.weight_version if traj.version < 0 else traj.version
+                traj.extend(res.response_ids, res.logprobs)
+                if res.finish_reason == "abort":
+                    traj.finish = "abort"
+                    continue
+                text = self.tokenizer.decode(res.response_ids.tolist())
+                calls = parse_tool_calls(text, self.cfg.tool_call_pattern) if self.toolbox is not None else []
+                if calls:
+                    pending.append((traj, calls, res))
+                elif res.finish_reason != "stop":
+                    traj.finish = "length"  # the turn was cut before it answered
+                elif traj.env is not None:
+                    self._env_step(traj, text, res)
+                else:
+                    traj.finish = "stop"
+            self._run_tools(pending, last_turn=turn == self.cfg.max_turns - 1)
+        for t in trajs:
+            if t.finish is None:
+                t.finish = "length"
+        return [self._result(t) for t in trajs]
+
+    def _request(self, traj: _Trajectory, turn: int) -> GenerationRequest:
+        r = traj.request
+        budget = self.cfg.max_response_tokens - len(traj.tokens)
+        seed = r.seed if turn == 0 else turn_seed(r.effective_seed(self.engine_seed), turn)
+        prompt = r.prompt_ids if turn == 0 else np.concatenate([r.prompt_ids, np.asarray(traj.tokens, np.int32)])
+        return GenerationRequest(sample_id=r.sample_id, prompt_ids=prompt, max_new_tokens=min(self.max_new_tokens, budget),
+                                 temperature=r.temperature, top_p=r.top_p, seed=seed, images=r.images)
+
+    def _run_tools(self, pending, last_turn: bool) -> None:
+        """Every call of this turn in one pool run; each trajectory gets its results as one tool turn."""
+        if not pending:
+            return
+        if last_turn:  # no turn left to read the results in
+            for traj, _, _ in pending:
+                self.stats["agent_turn_limit"] += 1
+                traj.finish = "length"
+            return
+        flat = [c for _, calls, _ in pending for c in calls]
+        outcomes = iter(self.toolbox.run(flat))
+        for traj, calls, res in pending:
+            mine = [next(outcomes) for _ in calls]
+            for o in mine:
+                self.stats["agent_tool_calls"] += 1
+                self.stats["agent_tool_seconds"] += o.seconds
+                self.stats[f"agent_tool_{o.status}"] += 1
+                traj.tool_ok += o.status == "ok"
+            self._append(traj, [o.content for o in mine], res)
+
+    def _append(self, traj: _Trajectory, contents: list[str], res: GenerationResult, role: str | None = None) -> None:
+        last = int(res.response_ids[-1]) if len(res.response_ids) and res.finish_reason == "stop" else None
+        ids = self.renderer.results(contents, last, role)
+        if len(traj.tokens) + len(ids) >= self.cfg.max_response_tokens:  # no room for them and a next turn
+            self.stats["agent_budget_ends"] += 1
+            traj.finish = "length"
+            return
+        traj.extend(ids, None)
+
+    def _reset_env(self, traj: _Trajectory, row: dict) -> None:
+        try:
+            traj.env = self.env_class(**self.cfg.environment_args)
+            traj.env.reset(row)
+        except Exception as err:  # noqa: BLE001 - a failing environment ends its trajectory, not the rank
+            log.warning("agent.environment %s failed in reset: %s: %s", self.cfg.environment, type(err).__name__, err)
+            self.stats["agent_env_errors"] += 1
+            traj.finish = "stop"
+
+    def _env_step(self, traj: _Trajectory, text: str, res: GenerationResult) -> None:
+        try:
+            observation, reward, done = traj.env.step(text)
+            traj.env_reward += float(reward)
+        except Exception as err:  # noqa: BLE001
+            log.warning("agent.environment %s failed in step: %s: %s", self.cfg.environment, type(err).__name__, err)
+            self.stats["agent_env_errors"] += 1
+            traj.finish = "stop"
+            return
+        if done or observation is None:
+            traj.finish = "stop"
+        elif traj.turns >= self.cfg.max_turns:
+            traj.finish = "length"
+        else:
+            self.stats["agent_env_observations"] += 1
+            self._append(traj, [str(observation)], res, role="user")
+
+    def _result(self, traj: _Trajectory) -> AgentResult:
+        mask = np.asarray(traj.mask, np.uint8)
+        self.stats["agent_trajectories"] += 1
+        self.stats["agent_turns"] += traj.turns
+        self.stats["agent_used_tools"] += traj.tool_ok > 0
+        self.stats["agent_masked_tokens"] += int((mask == 0).sum())
+        self.stats["agent_response_tokens"] += len(mask)
+        result = GenerationResult(sample_id=traj.request.sample_id, prompt_ids=traj.request.prompt_ids,
+                                  response_ids=np.asarray(traj.tokens, np.int32),
+                                  logprobs=np.asarray(traj.logprobs, np.float32), finish_reason=traj.finish,
+                                  weight_version=max(traj.version, 0))
+        return AgentResult(result, mask, traj.turns, traj.env_reward)

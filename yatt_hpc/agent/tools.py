@@ -1,0 +1,211 @@
+"""Tools the policy calls: user functions named in the config, their JSON schemas, and running a turn's calls.
+
+    box = build_toolbox(cfg.agent)                       # imports what agent.tools names, nothing else
+    box.schemas()                                        # [{"type": "function", "function": {...}}] for tools=
+    outcomes = box.run([ToolCall("lookup", {"key": "ab"}), ...])   # one ToolOutcome per call, in order
+
+Test: .venv/bin/python -m pytest tests/unit/test_agent_tools.py
+
+A tool is `package.module:function`. Its schema comes from the config (`parameters`, `description`) or from
+the function: each parameter's annotation (int, float, str, bool, list, dict, and `X | None`) gives its JSON
+type, a parameter without a default is required, and the docstring's first paragraph is the description,
+its `name: text` lines the parameters' descriptions (Google style `Args:` sections read the same).
+
+A turn's calls run concurrently in a thread pool (`agent.tool_workers`). A malformed call, an unknown tool,
+arguments that do not fit the signature, a tool that raises or runs past `agent.tool_timeout_s`, or a result
+that is not text all come back as an error text the model reads (and are counted); the rank goes on. A
+timed-out Python function cannot be stopped from outside: its thread is left to finish and the pool grows a
+replacement, so a tool that hangs for good costs one thread per call (the sandboxed Python tool is killed).
+"""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import importlib
+import inspect
+import json
+import re
+import threading
+import time
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from yatt_hpc.agent.sandbox import PythonSandbox, ToolFailure
+from yatt_hpc.config.agent import BUILTIN_PYTHON, AgentConfig, ToolSpec
+
+JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
+
+
+class ToolConfigError(ValueError):
+    """A tool named in the config cannot be used; the message names the item and the fix."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    name: str
+    content: str
+    status: str  # ok | error | timeout
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    fn: Callable[..., object]
+    description: str
+    parameters: dict
+
+    def schema(self) -> dict:
+        """The OpenAI-style function schema chat templates render (`tools=`)."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+def import_object(spec: str, where: str) -> object:
+    """`package.module:attr` imported; a failure names `where` and the fix."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj: object = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as err:
+        raise ToolConfigError(f"{where}={spec!r} cannot be imported ({type(err).__name__}: {err}); make the module "
+                              "importable on every rank (installed, or on PYTHONPATH) and check the name") from None
+    return obj
+
+
+def json_type(annotation: object) -> dict:
+    """The JSON schema of a parameter annotation (unannotated: any string)."""
+    if annotation is inspect.Parameter.empty:
+        return {"type": "string"}
+    if isinstance(annotation, str):  # postponed annotations: the common names only
+        base = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict}
+        annotation = base.get(annotation.replace(" | None", "").split("[")[0], str)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return json_type(args[0]) if len(args) == 1 else {"type": [json_type(a)["type"] for a in args]}
+    if origin is typing.Literal:
+        return {"enum": list(typing.get_args(annotation))}
+    return {"type": JSON_TYPES.get(origin or annotation, "string")}
+
+
+def schema_from_function(fn: Callable) -> tuple[str, dict]:
+    """(description, parameters schema) of `fn` from its signature and docstring."""
+    doc = inspect.getdoc(fn) or ""
+    description = doc.split("\n\n")[0].replace("\n", " ").strip()
+    notes = dict(re.findall(r"^\s*(\w+)\s*(?:\([^)]*\))?:\s*(.+)$", doc, re.MULTILINE))
+    properties, required = {}, []
+    for name, param in inspect.signature(fn).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        properties[name] = json_type(param.annotation)
+        if name in notes:
+            properties[name]["description"] = notes[name].strip()
+        if param.default is inspect.Parameter.empty:
+            required.append(name)
+    return description, {"type": "object", "properties": properties, "required": required}
+
+
+def build_tool(spec: ToolSpec, cfg: AgentConfig, runnable: bool = True) -> Tool:
+    """The tool of `spec`; `runnable=False` only describes it (the trainer renders the prompts' tool list
+    and never runs a call: no sandbox is probed there)."""
+    where = "agent.tools item function"
+    if spec.function == BUILTIN_PYTHON:
+        box = PythonSandbox(cfg.sandbox) if runnable else PythonSandbox
+        return Tool(spec.name or box.name, box, spec.description or box.description,
+                    spec.parameters or box.parameters)
+    fn = import_object(spec.function, where)
+    if not callable(fn):
+        raise ToolConfigError(f"{where}={spec.function!r} is a {type(fn).__name__}, not a function; name a function")
+    description, parameters = schema_from_function(fn)
+    return Tool(spec.name or spec.function.rpartition(":")[2].split(".")[-1], fn,
+                spec.description or description, spec.parameters or parameters)
+
+
+class ToolBox:
+    """The run's tools and the pool their calls run in."""
+
+    def __init__(self, tools: Sequence[Tool], workers: int = 4, timeout_s: float = 10.0,
+                 max_output_chars: int = 2000) -> None:
+        self.tools = {t.name: t for t in tools}
+        self.timeout_s, self.max_output_chars, self.workers = timeout_s, max_output_chars, workers
+        self._pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="tool")
+        self._lock = threading.Lock()
+
+    def schemas(self) -> list[dict]:
+        return [t.schema() for t in self.tools.values()]
+
+    def run(self, calls: Sequence[ToolCall | str]) -> list[ToolOutcome]:
+        """Every call's outcome, in order; a str is a call that could not be parsed (its error text)."""
+        started = time.monotonic()
+        pending = {i: self._submit(c) for i, c in enumerate(calls) if isinstance(c, ToolCall) and c.name in self.tools}
+        out: list[ToolOutcome] = []
+        for i, call in enumerate(calls):
+            if isinstance(call, str):
+                out.append(ToolOutcome("", f"error: {call}", "error", 0.0))
+            elif i not in pending:
+                known = ", ".join(sorted(self.tools)) or "none"
+                out.append(ToolOutcome(call.name, f"error: unknown tool {call.name!r}; tools: {known}", "error", 0.0))
+            else:
+                out.append(self._collect(call, pending[i], started))
+        return out
+
+    def _submit(self, call: ToolCall) -> futures.Future:
+        fn = self.tools[call.name].fn
+
+        def invoke() -> tuple[str, str, float]:
+            t0 = time.monotonic()
+            try:
+                result = fn(**call.arguments)
+                text = result if isinstance(result, str) else json.dumps(result)
+                return text, "ok", time.monotonic() - t0
+            except ToolFailure as err:
+                return str(err), "timeout" if err.timeout else "error", time.monotonic() - t0
+            except TypeError as err:
+                return f"error: bad arguments for {call.name}: {err}", "error", time.monotonic() - t0
+            except Exception as err:  # noqa: BLE001 - any failure of a user's tool is the model's to read
+                return f"error: {call.name} raised {type(err).__name__}: {err}", "error", time.monotonic() - t0
+
+        with self._lock:
+            return self._pool.submit(invoke)
+
+    def _collect(self, call: ToolCall, future: futures.Future, started: float) -> ToolOutcome:
+        limit = self.timeout_s + (5.0 if isinstance(self.tools[call.name].fn, PythonSandbox) else 0.0)
+        try:
+            text, status, seconds = future.result(timeout=max(0.0, started + limit - time.monotonic()))
+        except futures.TimeoutError:
+            self._replace_stuck_worker()
+            return ToolOutcome(call.name, f"error: {call.name} timed out after {self.timeout_s:g} s", "timeout",
+                               time.monotonic() - started)
+        return ToolOutcome(call.name, _cut(text, self.max_output_chars), status, seconds)
+
+    def _replace_stuck_worker(self) -> None:
+        """A thread stuck in a timed-out call keeps its worker: later calls get a pool of their own."""
+        with self._lock:
+            self._pool.shutdown(wait=False)
+            self._pool = futures.ThreadPoolExecutor(self.workers, thread_name_prefix="tool")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + f"\n... [cut at {limit} characters]"
+
+
+def build_toolbox(cfg: AgentConfig) -> ToolBox:
+    return ToolBox([build_tool(spec, cfg) for spec in cfg.tools], cfg.tool_workers, cfg.tool_timeout_s,
+                   cfg.max_tool_output_chars)
+
+
+def tool_schemas(cfg: AgentConfig) -> list[dict]:
+    """The schemas of the configured tools, for the chat template's `tools=` (no sandbox is started)."""
+    return [build_tool(spec, cfg, runnable=False).schema() for spec in cfg.tools]
