@@ -132,9 +132,18 @@ class AgentConfig(Section):
         return self
 
 
+def check_agent_fits(cfg) -> None:
+    """`RunConfig`'s check of an enabled `agent:` section against the other sections (ValueError naming the fix)."""
+    if (problem := agent_cross_problem(cfg)) is not None:
+        raise ValueError(problem)
+
+
 def agent_cross_problem(cfg) -> str | None:
     """What in the rest of the run config an enabled `agent:` section cannot run with, or None."""
     agent = cfg.agent
+    if any(t.kind == "environment" for t in cfg.reward.effective_terms()) and agent.environment is None:
+        return ("a reward.terms item has kind environment but agent.environment is not set; name the environment "
+                "class (agent.environment: package.module:Class) or drop the term")
     if not agent.enabled:
         return None
     if agent.max_response_tokens < cfg.rollout.max_new_tokens:

@@ -18,9 +18,11 @@ class RewardTerm(Section):
 
     name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")
     """The term's name (letters, digits, `_`), unique in `reward.terms`; its metric is `reward/<name>/mean`."""
-    kind: Literal["exact", "math", "format", "function", "genrm"]
+    kind: Literal["exact", "math", "format", "function", "genrm", "environment"]
     """`exact` (response == reference after stripping), `math` (final answer equivalent to the reference, by
-    math-verify), `format` (`pattern` found in the response), `function` (user code), `genrm` (the judge)."""
+    math-verify), `format` (`pattern` found in the response), `function` (user code), `genrm` (the judge),
+    `environment` (the rewards `agent.environment` gave the trajectory, summed). With `agent:` tools the terms
+    read a response's last model turn (its answer), not the tool turns before it."""
     weight: float = 1.0
     """The term's weight: the reward is the sum of weight x term (no clipping; a negative weight is a penalty)."""
     pattern: str | None = None

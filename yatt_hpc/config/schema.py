@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from yatt_hpc.config.agent import AgentConfig, check_agent_fits
 from yatt_hpc.config.cluster import HealthConfig, SlurmConfig
 from yatt_hpc.config.lora import LoraConfig
 from yatt_hpc.config.off_policy import OffPolicyConfig
@@ -419,21 +420,20 @@ class RolloutConfig(Section):
     @model_validator(mode="after")
     def _samples_stream_alone(self) -> RolloutConfig:
         if self.streaming == "finished_samples" and self.over_dispatch_ratio > 1.0:
-            raise ValueError(f"rollout.streaming=finished_samples with rollout.over_dispatch_ratio="
-                             f"{self.over_dispatch_ratio:g}: over-dispatch keeps the first prompt groups to finish "
-                             "whole, and samples streamed one by one would have GenRM score groups it then drops; "
-                             "use rollout.streaming=finished_groups with over-dispatch, or "
-                             "rollout.over_dispatch_ratio=1.0")
+            raise ValueError(f"rollout.streaming=finished_samples with rollout.over_dispatch_ratio={self.over_dispatch_ratio:g}: "
+                             "over-dispatch keeps the first prompt groups to finish whole, and samples streamed one by "
+                             "one would have GenRM score groups it then drops; use rollout.streaming=finished_groups "
+                             "with over-dispatch, or rollout.over_dispatch_ratio=1.0")
         return self
 
     @field_validator("top_p")
     @classmethod
     def _full_support_only(cls, value: float) -> float:
         if value < 1.0:
-            raise ValueError(f"rollout.top_p={value:g} is not supported: the engines report each token's logprob "
-                             "under the untruncated softmax (as SGLang does) and the trainer scores the same, so "
-                             "with nucleus sampling the PPO ratio would not be the ratio to the distribution the "
-                             "tokens were drawn from; set rollout.top_p=1.0 (use rollout.temperature to sharpen)")
+            raise ValueError(f"rollout.top_p={value:g} is not supported: the engines report each token's logprob under "
+                             "the untruncated softmax (as SGLang does) and the trainer scores the same, so with nucleus "
+                             "sampling the PPO ratio would not be the ratio to the distribution the tokens were drawn "
+                             "from; set rollout.top_p=1.0 (use rollout.temperature to sharpen)")
         return value
 
 
@@ -505,8 +505,8 @@ def eval_name(source: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", source.rstrip("/").split("/")[-1] if "/" in source else source)
 
 
-SECTIONS = ("model", "data", "train", "rollout", "reward", "eval", "placement", "checkpoint", "health", "slurm",
-            "logging")
+SECTIONS = ("model", "data", "train", "rollout", "agent", "reward", "eval", "placement", "checkpoint", "health",
+            "slurm", "logging")
 
 
 class RunConfig(Section):
@@ -520,6 +520,8 @@ class RunConfig(Section):
     """GRPO update."""
     rollout: RolloutConfig = RolloutConfig()
     """Sampling."""
+    agent: AgentConfig = AgentConfig()
+    """Multi-turn rollouts with tools and environments (`config/agent.py`, docs/agentic.md)."""
     reward: RewardConfig = RewardConfig()
     """Scoring."""
     eval: EvalConfig = EvalConfig()
@@ -545,20 +547,18 @@ class RunConfig(Section):
                              "given-up step is written; lower checkpoint.stop_grace_s (leave time to write a "
                              "checkpoint) or raise the @seconds of slurm.signal")
         buffer = self.reward.overlong_buffer_len
-        if buffer is not None and buffer >= self.rollout.max_new_tokens:
-            raise ValueError(f"reward.overlong_buffer_len={buffer} must be below rollout.max_new_tokens="
-                             f"{self.rollout.max_new_tokens}: the penalty ramps over the last overlong_buffer_len "
-                             "tokens before the cap; lower it")
+        if buffer is not None and buffer >= (cap := self.rollout.max_new_tokens):
+            raise ValueError(f"reward.overlong_buffer_len={buffer} must be below rollout.max_new_tokens={cap}"
+                             ": the penalty ramps over the last overlong_buffer_len tokens before the cap; lower it")
         if self.eval.sources and self.placement.dynamic_split.enabled:
-            raise ValueError("eval.sources with placement.dynamic_split.enabled: validation runs between steps, where a "
-                             "dynamic split moves engines between rollout and GenRM and the held-out prompts would "
-                             "meet engines the new weights have not reached; validate with a fixed split "
+            raise ValueError("eval.sources with placement.dynamic_split.enabled: validation runs between steps, where a dynamic "
+                             "split moves engines between rollout and GenRM and the held-out prompts would meet engines "
+                             "the new weights have not reached; validate with a fixed split "
                              "(placement.dynamic_split.enabled=false) or drop eval.sources")
         s = self.rollout.max_staleness
         if s and self.placement.mode == "colocate":
-            raise ValueError(f"rollout.max_staleness={s} with placement.mode=colocate: the groups take the devices in "
-                             "turns, so generation cannot overlap training; use placement.mode=partial or disjoint, "
-                             "or rollout.max_staleness=0")
+            raise ValueError(f"rollout.max_staleness={s} with placement.mode=colocate: the groups take the devices in turns, "
+                             "so generation cannot overlap training; use placement.mode=partial or disjoint, or max_staleness=0")
         if s and self.placement.dynamic_split.enabled:
             raise ValueError(f"rollout.max_staleness={s} with placement.dynamic_split.enabled: a split moves engines "
                              "between rollout and GenRM at step boundaries, which generation ahead of its step "
@@ -568,10 +568,9 @@ class RunConfig(Section):
                              "decided from the batch being trained, which asynchronous steps train later; set "
                              "rollout.dynamic_sampling.enabled=false or rollout.max_staleness=0")
         if self.train.lora.enabled and self.checkpoint.load_from is not None:
-            raise ValueError(f"checkpoint.load_from={self.checkpoint.load_from!r} with train.lora.rank="
-                             f"{self.train.lora.rank}: adapters start from the base model at model.path; export "
-                             "that checkpoint with `yatt-hpc ckpt export-hf` and point model.path at the export, "
-                             "or drop checkpoint.load_from")
+            raise ValueError(f"checkpoint.load_from={self.checkpoint.load_from!r} with train.lora.rank={self.train.lora.rank}: "
+                             "adapters start from the base model at model.path; export that checkpoint with `yatt-hpc "
+                             "ckpt export-hf` and point model.path at the export, or drop checkpoint.load_from")
         engines = ("rollout",) + (("genrm",) if self.reward.mode != "rule_only" else ())
         for group in engines:
             shape = getattr(self.placement, group)
@@ -582,4 +581,5 @@ class RunConfig(Section):
             if self.rollout.engine == "hf" and shape.tp > 1:
                 raise ValueError(f"placement.{group}.tp={shape.tp}: the hf engine runs one device per replica; set "
                                  f"placement.{group}.tp=1 or rollout.engine=sglang")
+        check_agent_fits(self)
         return self

@@ -32,8 +32,9 @@ class PromptEncoder:
     """Row -> prompt ids, checked against the token limit."""
 
     def __init__(self, tokenizer: Tokenizer, max_tokens: int, template: str | None = None,
-                 images: ImageProcessor | None = None) -> None:
+                 images: ImageProcessor | None = None, tools: list[dict] | None = None) -> None:
         self.tokenizer, self.max_tokens, self.template, self.images = tokenizer, max_tokens, template, images
+        self.tools = tools  # the agent's tool schemas, for the chat template's `tools=`
 
     def __call__(self, row: PromptRow) -> list[int]:
         if row.get("images"):
@@ -70,7 +71,7 @@ class PromptEncoder:
             ids = self.tokenizer.encode_prompt(row["prompt"])
         else:
             try:
-                ids = self.tokenizer.encode_chat(row["messages"], self.template)
+                ids = self.tokenizer.encode_chat(row["messages"], self.template, tools=self.tools)
             except TemplateError as err:  # the template's own checks (raise_exception) and Jinja errors
                 raise DatasetError(f"{row['origin']}: the chat template refused the row's messages "
                                    f"({type(err).__name__}: {err}); fix the messages (e.g. roles in the order the "
@@ -78,7 +79,8 @@ class PromptEncoder:
         return ids
 
 
-def build_prompt_encoder(data: DataConfig, tokenizer: Tokenizer, images: ImageProcessor | None = None) -> PromptEncoder:
+def build_prompt_encoder(data: DataConfig, tokenizer: Tokenizer, images: ImageProcessor | None = None,
+                         tools: list[dict] | None = None) -> PromptEncoder:
     """The encoder data.format asks for; a chat format without any template is refused here, not at step 1."""
     template = None
     if data.chat_template is not None:
@@ -91,5 +93,5 @@ def build_prompt_encoder(data: DataConfig, tokenizer: Tokenizer, images: ImagePr
     if data.format == "chat" and template is None and not tokenizer.has_chat_template:
         raise TokenizerError("data.format=chat needs a chat template, and the policy's tokenizer has none; "
                              "give data.chat_template (a Jinja template file) or use data.format=text")
-    return PromptEncoder(tokenizer, data.max_prompt_tokens, template, images)
+    return PromptEncoder(tokenizer, data.max_prompt_tokens, template, images, tools)
 

@@ -44,9 +44,9 @@ class Tokenizer:
         """A plain-text prompt as the model's first tokens (with its BOS if the tokenizer adds one)."""
         raise NotImplementedError
 
-    def encode_chat(self, messages: Sequence[dict], template: str | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], template: str | None = None, tools: list | None = None) -> list[int]:
         """`messages` through the chat template (`template` overrides the tokenizer's), ending with the
-        generation prompt, as ids."""
+        generation prompt, as ids; `tools`: function schemas the template lists (its `tools=`)."""
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -76,11 +76,11 @@ class CharTokenizerAdapter(Tokenizer):
     def encode_prompt(self, text: str) -> list[int]:
         return self.tok.encode(text)  # the demo models were trained on prompts without BOS
 
-    def encode_chat(self, messages: Sequence[dict], template: str | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], template: str | None = None, tools: list | None = None) -> list[int]:
         if template is None:
             raise TokenizerError(f"chat prompts need a chat template, and {self.name} has none; use data.format=text, "
                              "or give data.chat_template (a Jinja template file)")
-        return self.tok.encode(render_template(template, messages))
+        return self.tok.encode(render_template(template, messages, tools))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(self._until_eos(ids))
@@ -109,24 +109,24 @@ class HFTokenizer(Tokenizer):
             ids.pop()
         return ids
 
-    def encode_chat(self, messages: Sequence[dict], template: str | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], template: str | None = None, tools: list | None = None) -> list[int]:
         if template is None and not self.has_chat_template:
             raise TokenizerError(f"chat prompts need a chat template, and the tokenizer of {self.tok.name_or_path} has "
                              "none; use data.format=text, or give data.chat_template (a Jinja template file)")
         text = self.tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                            chat_template=template)
+                                            chat_template=template, tools=tools)
         return self.encode(text)  # the template already holds whatever BOS the model wants
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(self._until_eos(ids), skip_special_tokens=True)
 
 
-def render_template(template: str, messages: Sequence[dict]) -> str:
+def render_template(template: str, messages: Sequence[dict], tools: list | None = None) -> str:
     """A Jinja chat template rendered the way transformers does (messages, add_generation_prompt)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=list(messages), add_generation_prompt=True)
+    return env.from_string(template).render(messages=list(messages), add_generation_prompt=True, tools=tools)
 
 
 def model_eos_ids(model_dir: str | Path) -> set[int]:

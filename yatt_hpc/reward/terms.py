@@ -31,7 +31,7 @@ from yatt_hpc.reward.math_answer import math_score
 from yatt_hpc.reward.mixing import weighted_sum
 from yatt_hpc.reward.verifier import format_score, rule_score
 
-TERM_KINDS = ("exact", "math", "format", "function", "genrm")
+TERM_KINDS = ("exact", "math", "format", "function", "genrm", "environment")
 RULE_KINDS = ("exact", "math", "function")  # rule_score is the first term of these kinds
 
 
@@ -45,6 +45,8 @@ class ScoringRows:
     metadata: list[dict]
     images: list[tuple[bytes, ...]] | None = None
     """Each sample's row images (encoded), for a judge that is a vision-language model; None: no images."""
+    env_rewards: list[float] | None = None
+    """Each sample's summed `agent.environment` rewards (the `environment` term); None: zeros."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -112,4 +114,6 @@ class RewardTerms:
             return [format_score(r, self._patterns[term.name]) for r in rows.responses]
         if term.kind == "function":
             return self._functions[term.name](rows.prompts, rows.responses, rows.answers, rows.metadata)
+        if term.kind == "environment":
+            return list(rows.env_rewards) if rows.env_rewards is not None else [0.0] * len(rows.responses)
         raise ValueError(f"unknown reward term kind {term.kind!r}; valid kinds: {', '.join(TERM_KINDS)}")

@@ -191,11 +191,13 @@ class GenRMController(BaseController):
         # the user's question as the row gave it (not the chat-templated prompt); decoded tokens if a batch has none
         questions = [q or tok.decode(p.tolist()) for q, p in zip(batch.questions(), batch.ragged("prompt_tokens"))]
         groups = {pid: tuple(b.tobytes() for b in group) for pid, group in batch.group_images().items()}
-        rows = ScoringRows(prompts=questions, responses=[tok.decode(r.tolist()) for r in batch.ragged("response_tokens")],
+        # an agent's response: its last model turn (the answer after the tool turns), the whole response otherwise
+        rows = ScoringRows(prompts=questions, responses=[tok.decode(r.tolist()) for r in batch.final_turns()],
                            answers=batch.answers(), metadata=row_metadata(batch.sample_id, batch.prompt_id, batch.owner,
                                                                           batch.response_len, batch.finish,
                                                                           extra=batch.metadatas()),
-                           images=[groups.get(int(p), ()) for p in batch.prompt_id] if groups else None)
+                           images=[groups.get(int(p), ()) for p in batch.prompt_id] if groups else None,
+                           env_rewards=batch.env_reward.tolist())
         got = self.terms.score(rows)
         batch.rule_score, batch.genrm_score, batch.parse_fail, batch.reward = \
             got.rule_score, got.genrm_score, got.parse_fail, got.reward

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import numpy as np
 from mpi4py import MPI
 
+from yatt_hpc.agent.rollout_side import build_rollout_agent, extra_columns
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.comm.prompt_routing import expected_prompt_messages
 from yatt_hpc.comm.transport import (
@@ -61,6 +62,7 @@ class RolloutController(BaseController):
         self.engine = build_engine(cfg.rollout.engine, cfg.model.path, device=rank_device(world),
                                    tp_size=world.plan.group("rollout").size("tp"), seed=cfg.train.seed,
                                    **rollout_engine_options(world, cfg))
+        self.agent = build_rollout_agent(cfg)  # multi-turn rollouts with tools (agent:), else None
         if self.colocate:
             self.engine.release_memory()  # the trainer builds first; the engine wakes for its phase
         self.stops = StopWatch(world.comm, self.engine)  # over-dispatch STOPs, whichever way it generates
@@ -224,7 +226,7 @@ class RolloutController(BaseController):
             return self.generate(chunk)
         owners = {int(o) for o in np.unique(chunk.owner)}
         with self.stops.beside(lambda owner: self.stop_owner(work, owner), owners, work.stopped):
-            return self.generate(chunk)
+            return self.generate(chunk, lambda: owners <= work.stopped)
 
     def requests(self, prompts: SampleBatch) -> list[GenerationRequest]:
         """One request per sample; a group's requests share one tuple of its encoded images."""
@@ -234,11 +236,16 @@ class RolloutController(BaseController):
                                   temperature=self.round.temperature, top_p=rc.top_p, images=images.get(int(pid), ()))
                 for sid, pid, p in zip(prompts.sample_id, prompts.prompt_id, prompts.ragged("prompt_tokens"))]
 
-    def generate(self, prompts: SampleBatch) -> SampleBatch:
+    def generate(self, prompts: SampleBatch, cancelled: Callable[[], bool] = lambda: False) -> SampleBatch:
+        if self.agent is not None:  # model and tool turns until an answer (agent/loop.py); `cancelled`: all stopped
+            results, extra = self.agent.generate(self.engine, prompts, self.requests(prompts), cancelled)
+            for key, value in self.agent.take_stats().items():
+                self.stats.add(key, value)
+            return self.fill(prompts, results, extra=extra)
         return self.fill(prompts, {r.sample_id: r for r in self.engine.generate(self.requests(prompts))})
 
     def fill(self, prompts: SampleBatch, results: dict[int, GenerationResult],
-             rows: list[int] | None = None) -> SampleBatch:
+             rows: list[int] | None = None, extra: dict | None = None) -> SampleBatch:
         """The prompt rows `rows` (all by default) with their generated responses, logprobs and finish
         codes: one new buffer, sent as it lies (`SampleBatch.select` with the responses given)."""
         rows = np.arange(len(prompts)) if rows is None else np.asarray(rows, dtype=np.int64)
@@ -246,7 +253,8 @@ class RolloutController(BaseController):
         lens = np.array([len(r.response_ids) for r in ordered], np.int32)
         filled = prompts.select(rows, response_len=lens, response_tokens=_flat([r.response_ids for r in ordered], np.int32),
                                 logprobs=_flat([r.logprobs for r in ordered], np.float32),
-                                finish=np.array([FINISH_CODES[r.finish_reason] for r in ordered], np.int8))
+                                finish=np.array([FINISH_CODES[r.finish_reason] for r in ordered], np.int8),
+                                **extra_columns(extra, prompts.sample_id[rows]))
         self.stats.add("response_tokens", float(lens.sum()))
         return filled
 
@@ -259,6 +267,8 @@ class RolloutController(BaseController):
             receive_weights(self.world.comm, sources, self.engine, self.weight_transport)
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ checkpoint hooks

@@ -104,7 +104,7 @@ class TrainerController(AsyncSteps, BaseController):
         self.tokenizer = load_tokenizer(cfg.model.path)
         images = ImageProcessor.from_model_dir(cfg.model.path) if is_vision_model(cfg.model.path) else None
         self.source = build_prompt_source(cfg.data, self.tokenizer, require_answer=cfg.reward.mode != "rm_only",
-                                          images=images)
+                                          images=images, agent=cfg.agent)
         addr, port = self._rendezvous()
         tp, self.pp = world.plan.group("trainer").size("tp"), world.plan.group("trainer").size("pp")
         device = rank_device(world)

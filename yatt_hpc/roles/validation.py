@@ -49,7 +49,7 @@ class HeldOut:
         sources, counts = [], []
         for src in cfg.eval.sources:
             stream = build_prompt_source(cfg.data.model_copy(update={"source": src}), tokenizer,
-                                         require_answer=cfg.reward.mode != "rm_only", images=images)
+                                         require_answer=cfg.reward.mode != "rm_only", images=images, agent=cfg.agent)
             sources.append(stream)
             counts.append(min(len(stream), cfg.eval.max_prompts or len(stream)))
         return cls([eval_name(s) for s in cfg.eval.sources], sources, counts, cfg.eval.samples_per_prompt,

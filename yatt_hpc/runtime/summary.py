@@ -80,6 +80,7 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         "control/leader_peak_held_samples": float(leader_report["peak_held"]),
     }
     out.update(_term_means(reports))
+    out.update(_agent(reports))
     for group in GROUPS:
         members = [r for r in reports if r["group"] == group]
         busy = sum(sum(r["times"].values()) for r in members) / max(len(members), 1)
@@ -101,6 +102,28 @@ def _off_policy(reports: list[dict]) -> dict[str, float]:
             "off_policy/is_weight_max": _max_value(reports, "is_weight_max", default=0.0),
             "off_policy/truncated_frac": _sum(reports, "is_truncated") / tokens,
             "off_policy/masked_frac": _sum(reports, "is_masked") / tokens}
+
+
+def _agent(reports: list[dict]) -> dict[str, float]:
+    """`agent/...`: multi-turn rollouts (agent:): turns per trajectory, tool calls and their outcomes, the mean
+    tool latency, the share of trajectories with a successful call, tokens the model did not sample (masked)."""
+    trajectories = _sum(reports, "agent_trajectories", "rollout")
+    if not trajectories:
+        return {}
+    calls = _sum(reports, "agent_tool_calls", "rollout")
+    return {"agent/turns_mean": _sum(reports, "agent_turns", "rollout") / trajectories,
+            "agent/tool_calls": calls,
+            "agent/tool_calls_per_trajectory": calls / trajectories,
+            "agent/tool_errors": _sum(reports, "agent_tool_error", "rollout"),
+            "agent/tool_timeouts": _sum(reports, "agent_tool_timeout", "rollout"),
+            "agent/tool_success_rate": _sum(reports, "agent_tool_ok", "rollout") / max(calls, 1.0),
+            "agent/trajectories_with_tool_success": _sum(reports, "agent_used_tools", "rollout") / trajectories,
+            "agent/tool_latency_mean_s": _sum(reports, "agent_tool_seconds", "rollout") / max(calls, 1.0),
+            "agent/turn_limit_ends": _sum(reports, "agent_turn_limit", "rollout"),
+            "agent/masked_tokens": _sum(reports, "agent_masked_tokens", "rollout"),
+            "agent/masked_fraction": _sum(reports, "agent_masked_tokens", "rollout")
+            / max(_sum(reports, "agent_response_tokens", "rollout"), 1.0),
+            "agent/env_errors": _sum(reports, "agent_env_errors", "rollout")}
 
 
 def _term_means(reports: list[dict]) -> dict[str, float]:

@@ -1,0 +1,80 @@
+"""What a rollout rank does differently with `agent:` set: the multi-turn loop instead of one engine call.
+
+    agent = build_rollout_agent(cfg)                   # None without tools or an environment
+    results, extra = agent.generate(engine, prompts, requests, cancelled)
+    extra["response_mask"], extra["env_reward"]        # the batch columns beside the responses
+
+Tool calls run in a thread pool on this rank (`agent.tool_workers`); there is no tools group of ranks
+(`placement.tools` is not a setting).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from yatt_hpc.agent.loop import AgentLoop
+from yatt_hpc.agent.tools import build_toolbox
+from yatt_hpc.batch import SampleBatch
+from yatt_hpc.rollout.engine import GenerationRequest, GenerationResult
+
+
+class RolloutAgent:
+    def __init__(self, cfg) -> None:
+        from pathlib import Path
+
+        from yatt_hpc.data.tokenizer import load_tokenizer
+
+        check_positions(cfg)
+        template = Path(cfg.data.chat_template).read_text(encoding="utf-8") if cfg.data.chat_template else None
+        toolbox = build_toolbox(cfg.agent) if cfg.agent.tools else None
+        self.loop = AgentLoop(cfg.agent, load_tokenizer(cfg.model.path), max_new_tokens=cfg.rollout.max_new_tokens,
+                              engine_seed=cfg.train.seed, toolbox=toolbox, template=template)
+        self.toolbox = toolbox
+
+    def generate(self, engine, prompts: SampleBatch, requests: Sequence[GenerationRequest],
+                 cancelled: Callable[[], bool] = lambda: False) -> tuple[dict[int, GenerationResult], dict]:
+        rows = [{"prompt": q, "answer": a, "metadata": m}
+                for q, a, m in zip(prompts.questions(), prompts.answers(), prompts.metadatas())]
+        out = self.loop.run(engine, requests, rows, cancelled)
+        results = {r.result.sample_id: r for r in out}
+        return {sid: r.result for sid, r in results.items()}, {
+            "masks": {sid: r.mask for sid, r in results.items()},
+            "env_reward": {sid: r.env_reward for sid, r in results.items()}}
+
+    def take_stats(self) -> dict[str, float]:
+        return self.loop.take_stats()
+
+    def close(self) -> None:
+        if self.toolbox is not None:
+            self.toolbox.close()
+
+
+def extra_columns(extra: dict | None, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """`SampleBatch.select`'s given columns for an agent's samples (none for a single-turn rollout)."""
+    if not extra:
+        return {}
+    ids = [int(s) for s in sample_ids]
+    masks = [extra["masks"][s] for s in ids]
+    return {"response_mask": np.concatenate(masks).astype(np.uint8) if masks else np.zeros(0, np.uint8),
+            "env_reward": np.array([extra["env_reward"][s] for s in ids], np.float32)}
+
+
+def check_positions(cfg) -> None:
+    """Refuse a trajectory that could outgrow the model: data.max_prompt_tokens + agent.max_response_tokens."""
+    import json
+    from pathlib import Path
+
+    path = Path(cfg.model.path) / "config.json"
+    conf = json.loads(path.read_text()) if path.is_file() else {}
+    conf = conf.get("text_config", conf)
+    limit = conf.get("max_position_embeddings", conf.get("n_positions"))
+    need = cfg.data.max_prompt_tokens + cfg.agent.max_response_tokens
+    if limit is not None and need > int(limit):
+        raise ValueError(f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + agent.max_response_tokens="
+                         f"{cfg.agent.max_response_tokens} = {need} exceeds the model's {limit} positions "
+                         f"({path}); lower one of them")
+
+
+def build_rollout_agent(cfg) -> RolloutAgent | None:
+    return RolloutAgent(cfg) if cfg.agent.enabled else None
