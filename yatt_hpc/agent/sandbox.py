@@ -33,6 +33,7 @@ from yatt_hpc.config.agent import SandboxConfig
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 TIMEOUT, SETUP_FAILED = 124, 125
+CUT_MARK = b"\x00[cut]\x00"
 DRAIN_LIMIT = 64 * 2**20  # bytes of output read (and dropped) before a flooding program is killed
 _UIDS = itertools.count()
 _UID_BASE = 200_000  # the sandbox's uids when the rank is root: unused by any account, one per call in flight
@@ -133,9 +134,14 @@ class ToolFailure(Exception):
 
 
 def _read_capped(proc: subprocess.Popen, keep: int, deadline: float) -> tuple[bytes, bool]:
-    """The first `keep` bytes of the output; the rest read and dropped (so a flood cannot block the program
-    on a full pipe and the rank holds no more than `keep`), up to DRAIN_LIMIT, after which it is killed."""
-    kept, seen = bytearray(), 0
+    """The first and the last `keep` bytes of the output (a traceback's last line is the one that matters);
+    the middle read and dropped (so a flood cannot block the program on a full pipe and the rank holds no more
+    than 2 x `keep`), up to DRAIN_LIMIT, after which the program is killed."""
+    head, tail, seen = bytearray(), bytearray(), 0
+
+    def kept() -> bytes:
+        return bytes(head) + (CUT_MARK if seen > len(head) + len(tail) else b"") + bytes(tail)
+
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
         while (left := deadline - time.monotonic()) > 0:
@@ -143,15 +149,17 @@ def _read_capped(proc: subprocess.Popen, keep: int, deadline: float) -> tuple[by
                 continue
             chunk = os.read(proc.stdout.fileno(), 65536)
             if not chunk:
-                return bytes(kept), False
+                return kept(), False
             seen += len(chunk)
-            if len(kept) < keep:
-                kept.extend(chunk[: keep - len(kept)])
+            room = keep - len(head)
+            head.extend(chunk[:room] if room > 0 else b"")
+            tail.extend(chunk[max(room, 0):])
+            del tail[:-keep]
             if seen > DRAIN_LIMIT:
                 _kill_session(proc)
-                return bytes(kept), True
+                return kept(), True
     _kill_session(proc)
-    return bytes(kept), False
+    return kept(), False
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
@@ -165,7 +173,14 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 
 def _cut(text: str, limit: int, flooded: bool) -> str:
-    if len(text) <= limit and not flooded:
+    """At most `limit` characters: the first and the last half, the cut marked."""
+    mark = CUT_MARK.decode()
+    dropped = mark in text
+    if dropped:
+        head, tail = text.split(mark, 1)
+        text = head + tail
+    if len(text) <= limit and not dropped and not flooded:
         return text
-    return text[:limit] + f"\n... [output cut at {limit} characters]"
+    half = limit // 2
+    return text[:half] + f"\n... [output cut to {limit} characters] ...\n" + text[-half:]
 

@@ -62,7 +62,8 @@ def become_program(libc, limits: dict, source: bytes) -> None:
     if os.getuid() == 0 and uid is not None:
         os.chown(work, uid, uid)
     mb = 2**20
-    for what, value in ((resource.RLIMIT_CPU, limits["cpu_s"]), (resource.RLIMIT_AS, limits["memory_mb"] * mb),
+    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))  # SIGXCPU first, SIGKILL 1 s on
+    for what, value in ( (resource.RLIMIT_AS, limits["memory_mb"] * mb),
                         (resource.RLIMIT_FSIZE, limits["file_mb"] * mb), (resource.RLIMIT_NPROC, limits["processes"]),
                         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64)):
         resource.setrlimit(what, (value, value))

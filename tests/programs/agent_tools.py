@@ -1,0 +1,39 @@
+"""Tools and an environment for the agent tests (named in configs as tests.programs.agent_tools:...)."""
+from __future__ import annotations
+
+import time
+
+
+def add(a: int, b: int = 0) -> int:
+    """Add two integers.
+
+    a: the first
+    b: the second
+    """
+    return a + b
+
+
+def fail(x: str) -> str:
+    """Always raises."""
+    raise RuntimeError(f"broken tool on {x}")
+
+
+def slow(seconds: float) -> str:
+    """Sleeps."""
+    time.sleep(seconds)
+    return "woke"
+
+
+class CountEnv:
+    """Done once the model says the row's answer; reward 1 then, -0.1 per wrong turn."""
+
+    def __init__(self, penalty: float = 0.1) -> None:
+        self.penalty, self.answer = penalty, None
+
+    def reset(self, row: dict) -> None:
+        self.answer = row["answer"]
+
+    def step(self, text: str):
+        if text.strip() == self.answer:
+            return None, 1.0, True
+        return "try again", -self.penalty, False

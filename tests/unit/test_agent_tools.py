@@ -1,0 +1,96 @@
+"""Tools from the config: schemas from signatures and docstrings, calls parsed from model text, failures as text.
+
+    .venv/bin/python -m pytest tests/unit/test_agent_tools.py -q
+"""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from yatt_hpc.agent.calls import parse_tool_calls
+from yatt_hpc.agent.tools import ToolBox, ToolCall, ToolConfigError, build_tool, tool_schemas
+from yatt_hpc.config.agent import QWEN_TOOL_CALL, AgentConfig, ToolSpec
+from yatt_hpc.config.schema import RunConfig
+
+
+def _box(timeout_s=2.0, max_output_chars=2000, **names):
+    cfg = AgentConfig(tools=[ToolSpec(function=f"tests.programs.agent_tools:{n}") for n in ("add", "fail", "slow")])
+    return ToolBox([build_tool(s, cfg) for s in cfg.tools], workers=2, timeout_s=timeout_s,
+                   max_output_chars=max_output_chars)
+
+
+def test_the_schema_comes_from_the_signature_and_docstring():
+    cfg = AgentConfig(tools=[ToolSpec(function="tests.programs.agent_tools:add")])
+    (schema,) = tool_schemas(cfg)
+    assert schema == {"type": "function", "function": {
+        "name": "add", "description": "Add two integers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "the first"},
+                                                        "b": {"type": "integer", "description": "the second"}},
+                       "required": ["a"]}}}
+
+
+def test_a_given_schema_and_name_override_the_functions():
+    params = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}
+    cfg = AgentConfig(tools=[ToolSpec(function="tests.programs.agent_tools:add", name="plus", description="sum",
+                                      parameters=params)])
+    assert tool_schemas(cfg)[0]["function"] == {"name": "plus", "description": "sum", "parameters": params}
+
+
+def test_qwen_calls_are_parsed_and_malformed_ones_become_error_texts():
+    text = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 5}"}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {a: 1}}</tool_call>'
+            '<tool_call>{"tool": "add"}</tool_call><tool_call>{"name": "add", "arguments": [1]}</tool_call>')
+    calls = parse_tool_calls(text, QWEN_TOOL_CALL)
+    assert calls[:2] == [ToolCall("add", {"a": 1, "b": 2}), ToolCall("add", {"a": 5})]
+    assert "not valid JSON" in calls[2] and "must be a JSON object" in calls[3] and "arguments" in calls[4]
+    assert parse_tool_calls("no call here", QWEN_TOOL_CALL) == []
+
+
+def test_every_failure_is_an_error_text_for_the_model_and_the_box_goes_on():
+    box = _box(timeout_s=0.5)
+    out = box.run([ToolCall("add", {"a": 2, "b": 3}), ToolCall("nope", {}), ToolCall("fail", {"x": "y"}),
+                   ToolCall("add", {"c": 1}), "the tool call is not valid JSON", ToolCall("slow", {"seconds": 3})])
+    assert [o.status for o in out] == ["ok", "error", "error", "error", "error", "timeout"]
+    assert out[0].content == "5"
+    assert "unknown tool 'nope'" in out[1].content and "add, fail, slow" in out[1].content
+    assert "RuntimeError: broken tool on y" in out[2].content
+    assert "bad arguments for add" in out[3].content
+    assert "timed out after 0.5 s" in out[5].content
+    assert box.run([ToolCall("add", {"a": 1})])[0].content == "1", "a stuck call does not hold the pool"
+    box.close()
+
+
+def test_long_results_are_cut():
+    box = _box(max_output_chars=16)
+    out = box.run([ToolCall("add", {"a": 10**40})])[0]
+    assert out.content.startswith("1" + "0" * 15) and "cut at 16 characters" in out.content
+
+
+@pytest.mark.parametrize("section, needle", [
+    pytest.param({"tools": [{"function": "nodots"}]}, "must name package.module:function", id="bad-spec"),
+    pytest.param({"tools": [{"function": "a.b:add"}, {"function": "c.d:add"}]}, "occur twice", id="duplicate-names"),
+    pytest.param({"environment_args": {"x": 1}}, "without agent.environment", id="env-args-alone"),
+    pytest.param({"tools": [{"function": "a.b:f"}], "tool_call_pattern": "<c>.*</c>"}, "has no group", id="no-group"),
+    pytest.param({"tools": [{"function": "a.b:f"}], "sandbox": {"timeout_s": 3}}, "no agent.tools item is builtin",
+                 id="sandbox-without-python"),
+    pytest.param({"tools": [{"function": "a.b:f"}], "max_response_tokens": 8}, "below rollout.max_new_tokens",
+                 id="budget-below-a-turn"),
+    pytest.param({"tools": [{"function": "a.b:f"}], "max_response_tokens": 4096, "x": 1}, "x", id="unknown-key"),
+])
+def test_refused_agent_settings_name_the_field_and_the_fix(section, needle):
+    with pytest.raises(ValidationError, match=needle):
+        RunConfig(agent=section, rollout={"max_new_tokens": 16})
+
+
+def test_agent_tools_refuse_streaming_finished_groups_and_an_environment_term_needs_an_environment():
+    with pytest.raises(ValidationError, match="use rollout.streaming=chunks"):
+        RunConfig(agent={"tools": [{"function": "a.b:f"}]}, rollout={"streaming": "finished_groups"})
+    with pytest.raises(ValidationError, match="agent.environment is not set"):
+        RunConfig(reward={"terms": [{"name": "env", "kind": "environment"}]})
+
+
+def test_a_tool_that_cannot_be_imported_is_a_clear_error():
+    cfg = AgentConfig(tools=[ToolSpec(function="no_such_module_xyz:f")])
+    with pytest.raises(ToolConfigError, match="cannot be imported.*on PYTHONPATH"):
+        tool_schemas(cfg)

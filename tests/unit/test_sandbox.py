@@ -1,0 +1,100 @@
+"""The sandboxed Python tool against what an untrusted program tries; each is contained and an error for the model.
+
+    .venv/bin/python -m pytest tests/unit/test_sandbox.py -q
+
+Needs a rank that can make a network namespace (root, or unprivileged user namespaces); elsewhere the tool is
+refused, which the last test checks by asking for an interpreter that is not there.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+
+import pytest
+
+from tests.conftest import REPO
+from yatt_hpc.agent.sandbox import PythonSandbox, SandboxError
+from yatt_hpc.agent.tools import ToolBox, ToolCall, build_tool
+from yatt_hpc.config.agent import AgentConfig, SandboxConfig, ToolSpec
+
+
+@pytest.fixture(scope="module")
+def box():
+    try:
+        return PythonSandbox(SandboxConfig(timeout_s=3, cpu_s=2, memory_mb=256, processes=16, output_chars=200))
+    except SandboxError as err:
+        pytest.skip(f"no sandbox on this machine: {err}")
+
+
+def test_a_program_runs_and_its_output_comes_back(box):
+    run = box.run("import math\nprint(math.factorial(5))")
+    assert (run.status, run.output) == ("ok", "120\n")
+
+
+def test_writing_outside_its_directory_fails_and_leaves_nothing(box):
+    target = REPO / f"sandbox-escape-{uuid.uuid4().hex}"  # a directory of the rank's, writable by the rank
+    probe = f"/tmp/yatt-escape-{uuid.uuid4().hex}"
+    run = box.run(f"open({str(target)!r}, 'w').write('x')")
+    assert run.status == "error" and "Permission denied" in run.output and not target.exists()
+    run = box.run(f"open({probe!r}, 'w').write('x'); print('inside')")  # its own /tmp, gone with it
+    assert run.status == "ok" and not os.path.exists(probe)
+    run = box.run("open('big', 'wb').write(b'x' * (64 * 2**20))")  # past RLIMIT_FSIZE (16 MiB)
+    assert run.status == "error"
+
+
+def test_a_socket_reaches_nothing(box):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    run = box.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')")
+    server.close()
+    assert run.status == "error" and "connected" not in run.output.splitlines()
+    assert "OSError" in run.output or "Error" in run.output
+
+
+def test_a_fork_bomb_is_contained(box):
+    start = time.monotonic()
+    run = box.run("import os\nwhile True:\n    os.fork()")
+    assert run.status in ("error", "timeout") and time.monotonic() - start < 15
+    assert box.run("print('after')").output == "after\n", "the sandbox still works after it"
+
+
+@pytest.mark.parametrize("code", [pytest.param("while True: pass", id="busy-loop"),
+                                  pytest.param("import time\ntime.sleep(60)", id="sleep")])
+def test_an_endless_program_is_killed(box, code):
+    start = time.monotonic()
+    run = box.run(code)
+    assert run.status in ("timeout", "error") and time.monotonic() - start < 10
+    assert "timeout" in run.output or "CPU time" in run.output
+
+
+def test_a_huge_output_is_cut_and_the_program_stopped(box):
+    start = time.monotonic()
+    run = box.run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)")
+    assert run.status == "error" and len(run.output) < 500 and time.monotonic() - start < 10
+    ok = box.run("print('y' * 1000)")
+    assert ok.status == "ok" and ok.output.startswith("y" * 100) and "cut to 200 characters" in ok.output
+
+
+def test_memory_past_the_limit_is_an_error(box):
+    assert box.run("b = bytearray(1024 * 2**20)").status == "error"
+
+
+def test_the_tool_reports_failures_to_the_model_through_the_toolbox(box):
+    cfg = AgentConfig(tools=[ToolSpec(function="builtin:python")], sandbox=SandboxConfig(timeout_s=1))
+    tools = ToolBox([build_tool(cfg.tools[0], cfg)], timeout_s=1)
+    ok, failed, timed = tools.run([ToolCall("python", {"code": "print(2 + 2)"}),
+                                   ToolCall("python", {"code": "raise SystemExit(3)"}),
+                                   ToolCall("python", {"code": "while True: pass"})])
+    assert (ok.status, ok.content) == ("ok", "4\n")
+    assert failed.status == "error" and "exit status 3" in failed.content
+    assert timed.status == "timeout"
+    tools.close()
+
+
+def test_an_unusable_interpreter_is_refused_naming_the_setting():
+    with pytest.raises(SandboxError, match="agent.sandbox.python"):
+        PythonSandbox(SandboxConfig(python="/no/such/python"))
