@@ -34,10 +34,10 @@ def parse_tool_calls(text: str, pattern: str | re.Pattern) -> list[ToolCall | st
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as err:
-            out.append(f"the tool call is not valid JSON ({err.msg} at character {err.pos}): {raw[:200]!r}")
+            out.append(f"the tool call is not valid JSON ({err.msg} at character {err.pos}): {raw[:120]!r}")
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            out.append(f'a tool call must be a JSON object {{"name": ..., "arguments": {{...}}}}, got {raw[:200]!r}')
+            out.append(f'a tool call must be a JSON object {{"name": ..., "arguments": {{...}}}}, got {raw[:120]!r}')
             continue
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
@@ -46,7 +46,7 @@ def parse_tool_calls(text: str, pattern: str | re.Pattern) -> list[ToolCall | st
             except json.JSONDecodeError:
                 args = None
         if not isinstance(args, dict):
-            out.append(f"the arguments of the call to {obj['name']!r} must be a JSON object, got {raw[:200]!r}")
+            out.append(f"the arguments of the call to {obj['name']!r} must be a JSON object, got {raw[:120]!r}")
             continue
         out.append(ToolCall(obj["name"], args))
     return out
