@@ -18,6 +18,7 @@ from yatt_hpc.batch import SampleBatch
 from yatt_hpc.config.agent import AgentConfig, ToolSpec
 from yatt_hpc.data.tokenizer import load_tokenizer
 from yatt_hpc.demo.lookup import CALL_PATTERN, call_text, code_of, lookup_row
+from yatt_hpc.roles.samples import transcript
 from yatt_hpc.rollout.engine import GenerationRequest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,6 +54,7 @@ def test_a_tool_turn_is_appended_as_template_tokens_with_mask_zero(tok):
     assert out.mask.tolist() == [1] * len(call) + [0] * len(tool) + [1] * (len(code) + 1)
     assert out.result.logprobs.tolist() == [-0.5] * len(call) + [0.0] * len(tool) + [-0.5] * (len(code) + 1)
     assert out.result.finish_reason == "stop" and out.turns == 2
+    assert transcript(tok, out.result.response_ids, out.mask) == f"{call_text(key)}\ntool: {code}\n> {code}"
     # token-in: the second turn's prompt is the prompt and every token so far, as ids (no re-tokenisation)
     assert engine.seen[1].prompt_ids.tolist() == requests[0].prompt_ids.tolist() + call + tool
     assert engine.seen[1].seed is not None and engine.seen[0].seed is None

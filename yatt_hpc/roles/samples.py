@@ -63,7 +63,7 @@ def sample_rows(batch: SampleBatch, tokenizer, labels: TermLabels, *, step: int,
         return []
     part = batch.select(index)
     questions, answers = part.questions(), part.answers()
-    prompts, responses = part.ragged("prompt_tokens"), part.ragged("response_tokens")
+    prompts, responses, masks = part.ragged("prompt_tokens"), part.ragged("response_tokens"), part.ragged("response_mask")
     rows = []
     for i in range(len(part)):
         terms = {labels.rule: float(part.rule_score[i])}
@@ -75,8 +75,15 @@ def sample_rows(batch: SampleBatch, tokenizer, labels: TermLabels, *, step: int,
         names = image_names(int(part.prompt_id[i])) if carries else []
         rows.append({"step": step, "table": table, "replica": replica, "sample": int(part.sample_id[i]),
                      "prompt": questions[i] or tokenizer.decode(prompts[i].tolist()),
-                     "response": tokenizer.decode(responses[i].tolist()), "answer": answers[i],
+                     "response": transcript(tokenizer, responses[i], masks[i]), "answer": answers[i],
                      "reward": float(part.reward[i]), "terms": terms, "verdict": verdict,
                      "finish": FINISH.get(int(part.finish[i]), str(int(part.finish[i]))),
                      "tokens": int(part.response_len[i]), "images": ", ".join(names) or None})
     return rows
+
+
+def transcript(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> str:
+    """A response as text: each run of model tokens decoded up to its end of turn, each run the model did not
+    sample (an agent's tool results) as it is; a single-turn response is one run."""
+    cuts = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    return "".join(tokenizer.decode(run.tolist()) for run in np.split(tokens, cuts) if len(run))
