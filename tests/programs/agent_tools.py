@@ -37,3 +37,12 @@ class CountEnv:
         if text.strip() == self.answer:
             return None, 1.0, True
         return "try again", -self.penalty, False
+
+
+BARRIER = __import__("threading").Barrier(2, timeout=2.0)
+
+
+def meet() -> str:
+    """Returns once a second call meets this one (two calls of one turn running together), else fails."""
+    BARRIER.wait()
+    return "met"

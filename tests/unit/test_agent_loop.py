@@ -13,7 +13,7 @@ import pytest
 from tests.programs.scripted_engine import ScriptedEngine
 from yatt_hpc.agent.calls import TurnRenderer
 from yatt_hpc.agent.loop import AgentLoop
-from yatt_hpc.agent.tools import ToolBox, build_tool
+from yatt_hpc.agent.tools import build_toolbox
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.config.agent import AgentConfig, ToolSpec
 from yatt_hpc.data.tokenizer import load_tokenizer
@@ -23,14 +23,14 @@ from yatt_hpc.rollout.engine import GenerationRequest
 
 REPO = Path(__file__).resolve().parents[2]
 POLICY = REPO / "models" / "demo_tools" / "policy"
-TOOLS = ("yatt_hpc.demo.lookup:look", "tests.programs.agent_tools:fail", "tests.programs.agent_tools:slow")
+TOOLS = ("yatt_hpc.demo.lookup:look", "tests.programs.agent_tools:fail", "tests.programs.agent_tools:slow",
+         "tests.programs.agent_tools:meet")
 
 
 def _loop(tok, engine_seed=0, max_turns=3, budget=140, max_new_tokens=64, **fields):
     cfg = AgentConfig(tools=[ToolSpec(function=f) for f in TOOLS], tool_call_pattern=CALL_PATTERN,
-                      max_turns=max_turns, max_response_tokens=budget, tool_timeout_s=0.5, **fields)
-    box = ToolBox([build_tool(s, cfg) for s in cfg.tools], timeout_s=cfg.tool_timeout_s)
-    return AgentLoop(cfg, tok, max_new_tokens=max_new_tokens, engine_seed=engine_seed, toolbox=box)
+                      max_turns=max_turns, max_response_tokens=budget, **{"tool_timeout_s": 0.5, **fields})
+    return AgentLoop(cfg, tok, max_new_tokens=max_new_tokens, engine_seed=engine_seed, toolbox=build_toolbox(cfg))
 
 
 def _requests(tok, count, n=1, seed=5):
@@ -76,6 +76,23 @@ def test_bad_calls_become_error_text_for_the_model_and_are_counted(tok, script, 
     stats = loop.take_stats()
     assert stats["agent_tool_calls"] == 1 and stats.get("agent_tool_ok", 0) == 0
     assert stats.get("agent_tool_error", 0) + stats.get("agent_tool_timeout", 0) == 1
+
+
+def test_tool_role_output_cut_and_workers_come_from_the_config(tok):
+    rows, requests = _requests(tok, 2)
+    key = rows[0]["prompt"].split()[1]
+    as_user = _loop(tok, tool_role="user", tool_timeout_s=5.0)
+    (first,) = as_user.run(ScriptedEngine(tok, {0: [call_text(key), "x"]}), requests[:1])
+    assert tok.tok.decode(first.result.response_ids[first.mask == 0].tolist()) == f"\n{code_of(key)}\n> "
+    meet = '<call>{"name":"meet","arguments":{}}</call>'  # returns once the other trajectory's call runs too
+    for workers, status in ((2, "ok"), (1, "error")):
+        loop = _loop(tok, tool_timeout_s=5.0, tool_workers=workers)
+        loop.run(ScriptedEngine(tok, {0: [meet, "x"], 1: [meet, "x"]}), requests)
+        assert loop.take_stats().get(f"agent_tool_{status}") == 2, workers
+    long = _loop(tok, max_tool_output_chars=16, budget=400)
+    (out,) = long.run(ScriptedEngine(tok, {0: ['<call>{"name":"fail","arguments":{"x":"' + "y" * 5 + '"}}</call>',
+                                               "x"]}), requests[:1])
+    assert "cut at 16 characters" in tok.tok.decode(out.result.response_ids[out.mask == 0].tolist())
 
 
 def test_trajectories_end_at_the_turn_limit_the_budget_and_a_cut_turn(tok):

@@ -36,6 +36,9 @@ RECOMPUTE = "tests/unit/test_recompute.py"  # activation recomputation: bytes ke
 TRACKERS = "tests/unit/test_trackers.py"  # trackers: W&B and MLflow given names and stores, refusals
 TRACKERS_RUN = "tests/mpi/test_trackers_run.py"  # trackers read back after real runs, stopped and resumed
 LORA = "tests/unit/test_lora.py"  # train.lora: adapters, their maths and peft's, refusals
+AGENT = "tests/unit/test_agent_loop.py"  # agent: the multi-turn loop built from AgentConfig
+AGENT_TOOLS = "tests/unit/test_agent_tools.py::test_refused_agent_settings_name_the_field_and_the_fix"
+SANDBOX = "tests/unit/test_sandbox.py"  # agent.sandbox: PythonSandbox reads SandboxConfig
 
 EFFECT: dict[str, str] = {
     # ---------------------------------------------------------------- model
@@ -233,9 +236,32 @@ EFFECT: dict[str, str] = {
                                    "test_a_stopped_and_resumed_run_logs_every_step_once_in_one_mlflow_and_one_wandb_run",
     "logging.level": f"{RUN}::test_logging_level_warning_hides_the_info_lines_of_every_rank",
     "logging.progress": f"{RUN}::test_logging_progress_prints_the_leaders_step_line",
+    # ---------------------------------------------------------------- agent (AgentLoop, ToolBox, PythonSandbox)
+    "agent.tools": "tests/mpi/test_agent_run.py::test_a_multi_turn_run_calls_the_tool_masks_its_results_and_trains",
+    "agent.environment": f"{AGENT}::test_an_environment_steps_on_turns_without_calls_and_its_rewards_add_up",
+    "agent.environment_args": f"{AGENT}::test_an_environment_steps_on_turns_without_calls_and_its_rewards_add_up",
+    "agent.max_turns": f"{AGENT}::test_trajectories_end_at_the_turn_limit_the_budget_and_a_cut_turn",
+    "agent.max_response_tokens": f"{AGENT}::test_trajectories_end_at_the_turn_limit_the_budget_and_a_cut_turn",
+    "agent.tool_call_pattern": f"{AGENT}::test_a_tool_turn_is_appended_as_template_tokens_with_mask_zero",
+    "agent.tool_role": f"{AGENT}::test_tool_role_output_cut_and_workers_come_from_the_config",
+    "agent.tool_timeout_s": f"{AGENT}::test_bad_calls_become_error_text_for_the_model_and_are_counted",
+    "agent.tool_workers": f"{AGENT}::test_tool_role_output_cut_and_workers_come_from_the_config",
+    "agent.max_tool_output_chars": f"{AGENT}::test_tool_role_output_cut_and_workers_come_from_the_config",
+    "agent.sandbox.timeout_s": f"{SANDBOX}::test_an_endless_program_is_killed",
+    "agent.sandbox.cpu_s": f"{SANDBOX}::test_an_endless_program_is_killed",
+    "agent.sandbox.memory_mb": f"{SANDBOX}::test_memory_past_the_limit_is_an_error",
+    "agent.sandbox.file_mb": f"{SANDBOX}::test_writing_outside_its_directory_fails_and_leaves_nothing",
+    "agent.sandbox.processes": f"{SANDBOX}::test_a_fork_bomb_is_contained",
+    "agent.sandbox.output_chars": f"{SANDBOX}::test_a_huge_output_is_cut_and_the_program_stopped",
+    "agent.sandbox.python": f"{SANDBOX}::test_an_unusable_interpreter_is_refused_naming_the_setting",
+    "agent.sandbox.allow_network": f"{SANDBOX}::test_allow_network_gives_the_program_the_ranks_network",
 }
 
 REFUSED: dict[str, str] = {
+    "agent.tools": AGENT_TOOLS,
+    "agent.environment_args": AGENT_TOOLS,
+    "agent.tool_call_pattern": AGENT_TOOLS,
+    "agent.max_response_tokens": AGENT_TOOLS,
     "data.system_prompt": "tests/unit/test_chat_prompts.py::test_chat_fields_are_refused_in_text_format",
     "data.chat_template": "tests/unit/test_chat_prompts.py::test_chat_fields_are_refused_in_text_format",
     "data.num_prompts": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",

@@ -15,10 +15,13 @@ ALLOWED = {
     "sched": {"placement"},
     "comm": {"sched", "placement", "batch", "metrics.activity", "device"},
     "roles": {"algos", "comm", "sched", "batch", "metrics.activity", "ckpt", "config", "data", "errors", "placement", "reward",
-              "rollout", "train", "runtime", "vision", "models", "lora"},  # runtime: RankStats, the per-rank stats it reports to
+              "rollout", "train", "runtime", "vision", "models", "lora",
+              "agent"},  # runtime: RankStats, the per-rank stats it reports to
     "runtime": {"roles", "comm", "sched", "batch", "metrics", "ckpt", "config", "data", "errors", "launch",
                 "placement"},
     "demo": set(),
+    # multi-turn rollouts: the loop drives a rollout/ engine, renders tool turns with the data/ tokenizer
+    "agent": {"config", "rollout", "batch", "data"},
     "rollout": {"metrics.activity", "device", "vision"},  # engines join a weight pair's group (device.weight_group)
     "train": {"algos", "metrics.activity", "ckpt.optim", "batch", "config", "device", "vision", "models", "optim",
               "lora.layers"},  # the policy attaches adapters

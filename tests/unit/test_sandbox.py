@@ -23,7 +23,7 @@ from yatt_hpc.config.agent import AgentConfig, SandboxConfig, ToolSpec
 @pytest.fixture(scope="module")
 def box():
     try:
-        return PythonSandbox(SandboxConfig(timeout_s=3, cpu_s=2, memory_mb=256, processes=16, output_chars=200))
+        return PythonSandbox(SandboxConfig(timeout_s=3, cpu_s=2, memory_mb=256, processes=16, output_chars=200, file_mb=16))
     except SandboxError as err:
         pytest.skip(f"no sandbox on this machine: {err}")
 
@@ -93,6 +93,17 @@ def test_the_tool_reports_failures_to_the_model_through_the_toolbox(box):
     assert failed.status == "error" and "exit status 3" in failed.content
     assert timed.status == "timeout"
     tools.close()
+
+
+def test_allow_network_gives_the_program_the_ranks_network(box):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    open_box = PythonSandbox(SandboxConfig(timeout_s=3, allow_network=True))
+    run = open_box.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')")
+    server.close()
+    assert (run.status, run.output) == ("ok", "connected\n")
 
 
 def test_an_unusable_interpreter_is_refused_naming_the_setting():

@@ -52,7 +52,8 @@ class SandboxConfig(Section):
     """Limits of the built-in Python tool: each call is a fresh interpreter in a private temporary directory."""
 
     timeout_s: float = Field(5.0, gt=0, le=600)
-    """Wall-clock limit of one call; the process group is killed after it and the model reads a timeout error."""
+    """Wall-clock limit of one call; the program (and every process it started) is killed after it and the model
+    reads a timeout error."""
     cpu_s: int = Field(2, ge=1, le=3600)
     """CPU-time limit (RLIMIT_CPU) of the program."""
     memory_mb: int = Field(512, ge=32)
@@ -60,8 +61,8 @@ class SandboxConfig(Section):
     file_mb: int = Field(16, ge=0)
     """Largest file the program may write (RLIMIT_FSIZE) in MiB."""
     processes: int = Field(16, ge=1)
-    """Processes and threads the sandbox's user may run (RLIMIT_NPROC; a fork bomb stops there). As root the
-    limit would not bind, so the program then runs as the unprivileged user `nobody`."""
+    """Processes and threads the sandbox's user may run (RLIMIT_NPROC; a fork bomb stops there). Root ignores
+    the limit, so a root rank runs each program as a uid of its own (200000 and up, no account)."""
     output_chars: int = Field(2000, ge=64)
     """Characters of stdout + stderr the model reads back; the rest is cut and says so."""
     python: str = "/usr/bin/python3"

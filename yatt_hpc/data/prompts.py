@@ -176,24 +176,20 @@ def _open_file(path: Path, schema: RowSchema | None) -> FileSource:
 
 
 def build_prompt_source(data: DataConfig, tokenizer: Tokenizer | None = None, *,
-                        require_answer: bool = True, images: ImageProcessor | None = None, agent=None) -> PromptStream:
+                        require_answer: bool = True, images: ImageProcessor | None = None,
+                        tools: list[dict] | None = None) -> PromptStream:
     """The configured prompts in the configured order. The first row is read (and, with a tokenizer,
     encoded) at once, so that a misnamed column or a missing template fails before any training; every
     other row is checked when it is read. `require_answer=False` (no rule term scores the run) lets
     rows go without data.answer_key. `images`: a vision-language policy's processor (rows' images
-    expand to their image-pad tokens). `agent`: the run's `agent:` section; its tools' schemas go to the chat
-    template's `tools=` (chat-format prompts)."""
+    expand to their image-pad tokens). `tools`: the agent's tool schemas, for the chat template's `tools=`
+    (chat-format prompts)."""
     schema = RowSchema(format=data.format, prompt_key=data.prompt_key, answer_key=data.answer_key,
                        messages_key=data.messages_key, system_prompt=data.system_prompt,
                        require_answer=require_answer,
                        metadata_columns=None if data.metadata_columns is None else tuple(data.metadata_columns),
                        images_key=data.images_key, image_limits=ImageLimits(max_pixels=data.max_image_pixels))
     source = open_prompt_source(data.source, schema, num_prompts=data.num_prompts)
-    tools = None
-    if agent is not None and agent.tools:
-        from yatt_hpc.agent.tools import tool_schemas  # imports the functions agent.tools names
-
-        tools = tool_schemas(agent)
     encode = build_prompt_encoder(data, tokenizer, images, tools) if tokenizer is not None else None
     first = source.probe()
     if encode is not None:

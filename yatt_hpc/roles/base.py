@@ -19,6 +19,16 @@ from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
 from yatt_hpc.errors import InputError
 
 
+def prompt_tools(cfg) -> list[dict] | None:
+    """The agent's tool schemas for the prompts' chat template (`tools=`); None without agent tools. Imports the
+    functions `agent.tools` names (only then)."""
+    if not cfg.agent.tools:
+        return None
+    from yatt_hpc.agent.tools import tool_schemas
+
+    return tool_schemas(cfg.agent)
+
+
 def rank_device(world) -> str:
     """The torch device this rank's model lives on: `cpu`, or `cuda:<first of plan.device_ids>` (an engine
     replica of tp devices takes the consecutive ones after it: SGLang's base GPU id)."""

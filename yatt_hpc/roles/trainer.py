@@ -55,7 +55,7 @@ from yatt_hpc.errors import InputError
 from yatt_hpc.lora.identity import lora_record, resume_problem
 from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.async_steps import AsyncSteps
-from yatt_hpc.roles.base import BaseController, rank_device
+from yatt_hpc.roles.base import BaseController, prompt_tools, rank_device
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.roles.samples import TermLabels, sample_rows, samples_due
@@ -104,7 +104,7 @@ class TrainerController(AsyncSteps, BaseController):
         self.tokenizer = load_tokenizer(cfg.model.path)
         images = ImageProcessor.from_model_dir(cfg.model.path) if is_vision_model(cfg.model.path) else None
         self.source = build_prompt_source(cfg.data, self.tokenizer, require_answer=cfg.reward.mode != "rm_only",
-                                          images=images, agent=cfg.agent)
+                                          images=images, tools=prompt_tools(cfg))
         addr, port = self._rendezvous()
         tp, self.pp = world.plan.group("trainer").size("tp"), world.plan.group("trainer").size("pp")
         device = rank_device(world)

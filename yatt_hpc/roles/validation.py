@@ -23,6 +23,7 @@ from yatt_hpc.algos.passk import pass_at_k
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.config.schema import eval_name
 from yatt_hpc.data.prompts import build_prompt_source
+from yatt_hpc.roles.base import prompt_tools
 
 EVAL_ID_BASE = 1 << 40
 CORRECT = 0.5
@@ -49,7 +50,8 @@ class HeldOut:
         sources, counts = [], []
         for src in cfg.eval.sources:
             stream = build_prompt_source(cfg.data.model_copy(update={"source": src}), tokenizer,
-                                         require_answer=cfg.reward.mode != "rm_only", images=images, agent=cfg.agent)
+                                         require_answer=cfg.reward.mode != "rm_only", images=images,
+                                         tools=prompt_tools(cfg))
             sources.append(stream)
             counts.append(min(len(stream), cfg.eval.max_prompts or len(stream)))
         return cls([eval_name(s) for s in cfg.eval.sources], sources, counts, cfg.eval.samples_per_prompt,
