@@ -80,8 +80,9 @@ def test_the_demo_learns_to_use_the_tool(mpirun, tmp_path):
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
+@full_matrix_only
 @pytest.mark.parametrize("sets, needle", [
-    pytest.param(("agent.max_response_tokens=200",), "exceeds the model's 160 positions", id="positions"),
+    pytest.param(("agent.max_response_tokens=200",), "exceeds the policy's 160 positions", id="positions"),
     pytest.param(("agent.tools=[{function: no_such_pkg.mod:f}]",), "cannot be imported", id="tool-import"),
 ])
 def test_an_agent_that_cannot_run_is_refused_with_the_fix(mpirun, tmp_path, sets, needle):

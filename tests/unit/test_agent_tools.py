@@ -94,3 +94,40 @@ def test_a_tool_that_cannot_be_imported_is_a_clear_error():
     cfg = AgentConfig(tools=[ToolSpec(function="no_such_module_xyz:f")])
     with pytest.raises(ToolConfigError, match="cannot be imported.*on PYTHONPATH"):
         tool_schemas(cfg)
+
+
+def test_a_budget_past_the_policys_positions_is_refused_before_launch():
+    from tests.conftest import REPO
+    from yatt_hpc.config import load_config
+    from yatt_hpc.errors import InputError
+    from yatt_hpc.runtime.inputs import check_model_dirs
+
+    cfg = load_config(str(REPO / "configs/demo_tools_cpu.yaml"),
+                      overrides=["agent.max_response_tokens=200", f"model.path={REPO}/models/demo_tools/policy"])
+    with pytest.raises(InputError, match=r"16 \+ agent.max_response_tokens=200 = 216 exceeds the policy's 160 positions"):
+        check_model_dirs(cfg)
+
+
+def test_the_environment_term_is_the_trajectories_summed_environment_reward_and_verifiers_read_the_answer():
+    import numpy as np
+
+    from yatt_hpc.batch import SampleBatch
+    from yatt_hpc.config.reward import RewardTerm
+    from yatt_hpc.reward.terms import RewardTerms, ScoringRows
+
+    terms = RewardTerms([RewardTerm(name="env", kind="environment", weight=0.5),
+                         RewardTerm(name="exact", kind="exact")])
+    got = terms.score(ScoringRows(prompts=["p", "q"], responses=["abc", "x"], answers=["abc", "abc"],
+                                  metadata=[{}, {}], env_rewards=[1.0, -0.5]))
+    assert got.values["env"].tolist() == [1.0, -0.5] and got.reward.tolist() == [1.5, -0.25]
+    # the verifier reads a trajectory's last model turn: after the tool turn (mask 0), not the call before it
+    batch = SampleBatch(sample_id=np.arange(2), prompt_id=np.arange(2), owner=np.zeros(2, np.int32),
+                        response_len=np.array([6, 2], np.int32),
+                        response_tokens=np.array([1, 2, 9, 9, 3, 4, 5, 6], np.int32),
+                        response_mask=np.array([1, 1, 0, 0, 1, 1, 1, 1], np.uint8))
+    assert [t.tolist() for t in batch.final_turns()] == [[3, 4], [5, 6]]
+
+
+def test_a_tools_group_is_not_a_setting():
+    with pytest.raises(ValidationError, match="tools"):
+        RunConfig(placement={"tools": {"nodes": 1, "tasks_per_node": 1}})

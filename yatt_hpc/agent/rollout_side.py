@@ -25,7 +25,6 @@ class RolloutAgent:
 
         from yatt_hpc.data.tokenizer import load_tokenizer
 
-        check_positions(cfg)
         template = Path(cfg.data.chat_template).read_text(encoding="utf-8") if cfg.data.chat_template else None
         toolbox = build_toolbox(cfg.agent) if cfg.agent.tools else None
         self.loop = AgentLoop(cfg.agent, load_tokenizer(cfg.model.path), max_new_tokens=cfg.rollout.max_new_tokens,
@@ -58,22 +57,6 @@ def extra_columns(extra: dict | None, sample_ids: np.ndarray) -> dict[str, np.nd
     masks = [extra["masks"][s] for s in ids]
     return {"response_mask": np.concatenate(masks).astype(np.uint8) if masks else np.zeros(0, np.uint8),
             "env_reward": np.array([extra["env_reward"][s] for s in ids], np.float32)}
-
-
-def check_positions(cfg) -> None:
-    """Refuse a trajectory that could outgrow the model: data.max_prompt_tokens + agent.max_response_tokens."""
-    import json
-    from pathlib import Path
-
-    path = Path(cfg.model.path) / "config.json"
-    conf = json.loads(path.read_text()) if path.is_file() else {}
-    conf = conf.get("text_config", conf)
-    limit = conf.get("max_position_embeddings", conf.get("n_positions"))
-    need = cfg.data.max_prompt_tokens + cfg.agent.max_response_tokens
-    if limit is not None and need > int(limit):
-        raise ValueError(f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + agent.max_response_tokens="
-                         f"{cfg.agent.max_response_tokens} = {need} exceeds the model's {limit} positions "
-                         f"({path}); lower one of them")
 
 
 def build_rollout_agent(cfg) -> RolloutAgent | None:

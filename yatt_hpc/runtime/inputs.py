@@ -92,11 +92,26 @@ def check_lora_targets(cfg: RunConfig) -> None:
         raise InputError(f"{problem} ({path})")
 
 
+def check_agent_budget(cfg: RunConfig) -> None:
+    """A multi-turn trajectory must fit the policy: data.max_prompt_tokens + agent.max_response_tokens positions."""
+    if not cfg.agent.enabled:
+        return
+    _, path, config = _policy_layers(cfg)
+    config = config.get("text_config", config)
+    limit = config.get("max_position_embeddings", config.get("n_positions"))
+    need = cfg.data.max_prompt_tokens + cfg.agent.max_response_tokens
+    if limit is not None and need > int(limit):
+        raise InputError(f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + agent.max_response_tokens="
+                         f"{cfg.agent.max_response_tokens} = {need} exceeds the policy's {limit} positions ({path}); "
+                         "lower one of them")
+
+
 def check_model_dirs(cfg: RunConfig) -> None:
     check_model_dir(cfg.model.path, "model.path")
     check_model_arch(cfg)
     check_pipeline_stages(cfg)
     check_recompute_layers(cfg)
     check_lora_targets(cfg)
+    check_agent_budget(cfg)
     if cfg.reward.mode != "rule_only":
         check_model_dir(cfg.reward.genrm_path, "reward.genrm_path")
