@@ -7,8 +7,11 @@ refused, which the last test checks by asking for an interpreter that is not the
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
+import subprocess
 import time
 import uuid
 
@@ -109,3 +112,22 @@ def test_allow_network_gives_the_program_the_ranks_network(box):
 def test_an_unusable_interpreter_is_refused_naming_the_setting():
     with pytest.raises(SandboxError, match="agent.sandbox.python"):
         PythonSandbox(SandboxConfig(python="/no/such/python"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("runuser"), reason="needs root to start a non-root rank")
+def test_a_non_root_rank_sandboxes_through_a_user_namespace():
+    """The same child as an unprivileged user (`nobody`): a user namespace maps it to root inside, which may
+    make the network, mount and PID namespaces; the network is unreachable and a fork bomb hits RLIMIT_NPROC."""
+    from yatt_hpc.agent.sandbox import CHILD
+
+    limits = json.dumps({"isolate": True, "allow_network": False, "cpu_s": 2, "memory_mb": 256, "file_mb": 4,
+                         "processes": 16, "timeout_s": 5, "uid": None, "python": "/usr/bin/python3"})
+    probe = ("import os, socket\nprint(sorted(os.listdir('/tmp')))\ntry:\n"
+             "    socket.create_connection(('10.255.255.1', 80), timeout=1)\nexcept OSError as e:\n    print('blocked')\n")
+    bomb = "import os\nwhile True:\n    os.fork()\n"
+    out = [subprocess.run(["runuser", "-u", "nobody", "--", "/usr/bin/python3", "-I", str(CHILD), limits],
+                          input=code, capture_output=True, text=True, timeout=30) for code in (probe, bomb)]
+    if "sandbox setup failed" in out[0].stderr:
+        pytest.skip(f"no unprivileged user namespaces here: {out[0].stderr.strip()}")
+    assert out[0].returncode == 0 and out[0].stdout.split("\n")[:2] == ["['work']", "blocked"], out[0]
+    assert out[1].returncode != 0 and "BlockingIOError" in out[1].stderr + out[1].stdout
