@@ -45,6 +45,12 @@ def what_runs(cfg: RunConfig) -> list[str]:
              f"rollout: {r.engine} engine, {m.dtype}, weights synced in {m.dtype}; sampling temperature "
              f"{r.temperature:g} (the trainer scores at the same temperature), top_p {r.top_p:g}",
              f"genrm: {judge}"]
+    a = cfg.agent
+    if a.enabled:
+        names = ", ".join(t.name or t.function for t in a.tools) or "none"
+        env = f", environment {a.environment}" if a.environment else ""
+        lines.append(f"agent: up to {a.max_turns} model turns in {a.max_response_tokens} response tokens; tools {names}{env}; "
+                     f"calls run in {a.tool_workers} threads on each rollout rank (no tools group)")
     if r.max_staleness:
         s = r.max_staleness
         old = "the trainer's recomputed log-probs" if cfg.train.off_policy.proximal == "recompute" else \
