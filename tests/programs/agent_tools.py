@@ -46,3 +46,8 @@ def meet() -> str:
     """Returns once a second call meets this one (two calls of one turn running together), else fails."""
     BARRIER.wait()
     return "met"
+
+
+def typo(x: str) -> str:
+    """Fails inside with a TypeError of its own."""
+    return x + 1

@@ -131,3 +131,13 @@ def test_the_environment_term_is_the_trajectories_summed_environment_reward_and_
 def test_a_tools_group_is_not_a_setting():
     with pytest.raises(ValidationError, match="tools"):
         RunConfig(placement={"tools": {"nodes": 1, "tasks_per_node": 1}})
+
+
+def test_a_calls_limit_runs_from_its_start_not_from_its_wait_for_a_worker():
+    cfg = AgentConfig(tools=[ToolSpec(function="tests.programs.agent_tools:slow"),
+                             ToolSpec(function="tests.programs.agent_tools:typo")])
+    box = ToolBox([build_tool(s, cfg) for s in cfg.tools], workers=1, timeout_s=0.6)
+    out = box.run([ToolCall("slow", {"seconds": 0.3})] * 3 + [ToolCall("typo", {"x": "a"}), ToolCall("typo", {"y": 1})])
+    assert [o.status for o in out] == ["ok"] * 3 + ["error", "error"], out
+    assert "raised TypeError" in out[3].content and "bad arguments for typo" in out[4].content
+    box.close()

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from yatt_hpc.agent.sandbox import PythonSandbox, ToolFailure
 from yatt_hpc.config.agent import BUILTIN_PYTHON, AgentConfig, ToolSpec
 
+POLL_S = 0.01  # how often a waiting turn looks at its calls' clocks
 JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
 
@@ -145,8 +146,11 @@ class ToolBox:
 
     def run(self, calls: Sequence[ToolCall | str]) -> list[ToolOutcome]:
         """Every call's outcome, in order; a str is a call that could not be parsed (its error text)."""
-        started = time.monotonic()
         pending = {i: self._submit(c) for i, c in enumerate(calls) if isinstance(c, ToolCall) and c.name in self.tools}
+        # a call's limit runs from when a worker starts it; one still queued gives up once every queued call
+        # could have used its whole limit (all workers stuck in calls that never return)
+        rounds = -(-len(pending) // self.workers) + 1
+        queue_deadline = time.monotonic() + rounds * self.timeout_s
         out: list[ToolOutcome] = []
         for i, call in enumerate(calls):
             if isinstance(call, str):
@@ -155,37 +159,47 @@ class ToolBox:
                 known = ", ".join(sorted(self.tools)) or "none"
                 out.append(ToolOutcome(call.name, f"error: unknown tool {call.name!r}; tools: {known}", "error", 0.0))
             else:
-                out.append(self._collect(call, pending[i], started))
+                out.append(self._collect(call, *pending[i], queue_deadline))
         return out
 
-    def _submit(self, call: ToolCall) -> futures.Future:
-        fn = self.tools[call.name].fn
+    def _submit(self, call: ToolCall) -> tuple[futures.Future, list[float]]:
+        """The call's future, and a list that holds the time a worker started it (empty while queued)."""
+        fn, began = self.tools[call.name].fn, []
 
         def invoke() -> tuple[str, str, float]:
-            t0 = time.monotonic()
+            began.append(time.monotonic())
+            try:
+                inspect.signature(fn).bind(**call.arguments)
+            except TypeError as err:
+                return f"error: bad arguments for {call.name}: {err}", "error", 0.0
             try:
                 result = fn(**call.arguments)
                 text = result if isinstance(result, str) else json.dumps(result)
-                return text, "ok", time.monotonic() - t0
+                return text, "ok", time.monotonic() - began[0]
             except ToolFailure as err:
-                return str(err), "timeout" if err.timeout else "error", time.monotonic() - t0
-            except TypeError as err:
-                return f"error: bad arguments for {call.name}: {err}", "error", time.monotonic() - t0
+                return str(err), "timeout" if err.timeout else "error", time.monotonic() - began[0]
             except Exception as err:  # noqa: BLE001 - any failure of a user's tool is the model's to read
-                return f"error: {call.name} raised {type(err).__name__}: {err}", "error", time.monotonic() - t0
+                return f"error: {call.name} raised {type(err).__name__}: {err}", "error", time.monotonic() - began[0]
 
         with self._lock:
-            return self._pool.submit(invoke)
+            return self._pool.submit(invoke), began
 
-    def _collect(self, call: ToolCall, future: futures.Future, started: float) -> ToolOutcome:
+    def _collect(self, call: ToolCall, future: futures.Future, began: list[float], queue_deadline: float) -> ToolOutcome:
         limit = self.timeout_s + (5.0 if isinstance(self.tools[call.name].fn, PythonSandbox) else 0.0)
-        try:
-            text, status, seconds = future.result(timeout=max(0.0, started + limit - time.monotonic()))
-        except futures.TimeoutError:
-            self._replace_stuck_worker()
-            return ToolOutcome(call.name, f"error: {call.name} timed out after {self.timeout_s:g} s", "timeout",
-                               time.monotonic() - started)
-        return ToolOutcome(call.name, _cut(text, self.max_output_chars), status, seconds)
+        while True:
+            try:
+                text, status, seconds = future.result(timeout=POLL_S)
+                return ToolOutcome(call.name, _cut(text, self.max_output_chars), status, seconds)
+            except futures.TimeoutError:
+                now = time.monotonic()
+                if began and now - began[0] > limit:
+                    self._replace_stuck_worker()
+                    return ToolOutcome(call.name, f"error: {call.name} timed out after {self.timeout_s:g} s",
+                                       "timeout", now - began[0])
+                if not began and now > queue_deadline:
+                    return ToolOutcome(call.name, f"error: {call.name} waited past {self.timeout_s:g} s for a free "
+                                       "tool worker (agent.tool_workers are stuck in calls that timed out)",
+                                       "timeout", 0.0)
 
     def _replace_stuck_worker(self) -> None:
         """A thread stuck in a timed-out call keeps its worker: later calls get a pool of their own."""
