@@ -67,7 +67,7 @@ def test_over_dispatch_aborts_multi_turn_stragglers_and_loses_no_prompt(mpirun, 
 @full_matrix_only
 def test_the_demo_learns_to_use_the_tool(mpirun, tmp_path):
     """configs/demo_tools_cpu.yaml as shipped: reward and successful tool use rise (measured: reward 0.44 ->
-    0.85-0.92, trajectories with a successful call 0.60 -> 0.90-0.98, held-out pass@1 0.36 -> 0.93)."""
+    0.86-0.92, trajectories with a successful call 0.60 -> 0.91-0.98, held-out pass@1 0.36 -> 0.91; docs/agentic.md)."""
     run_dir = tmp_path / "run"
     rows = run(run_dir, "logging.progress=false", timeout=1200)
     first, last = rows[:3], rows[-3:]
