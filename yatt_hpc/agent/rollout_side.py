@@ -1,8 +1,8 @@
 """What a rollout rank does differently with `agent:` set: the multi-turn loop instead of one engine call.
 
     agent = build_rollout_agent(cfg)                   # None without tools or an environment
-    results, extra = agent.generate(engine, prompts, requests, cancelled)
-    extra["response_mask"], extra["env_reward"]        # the batch columns beside the responses
+    results, extra = agent.generate(engine, prompts, requests, cancelled)   # {sample_id: GenerationResult}, ...
+    batch.select(rows, ..., **extra_columns(extra, sample_ids))            # + response_mask and env_reward
 
 Tool calls run in a thread pool on this rank (`agent.tool_workers`); there is no tools group of ranks
 (`placement.tools` is not a setting).
@@ -10,6 +10,7 @@ Tool calls run in a thread pool on this rank (`agent.tool_workers`); there is no
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -21,9 +22,7 @@ from yatt_hpc.rollout.engine import GenerationRequest, GenerationResult
 
 class RolloutAgent:
     def __init__(self, cfg) -> None:
-        from pathlib import Path
-
-        from yatt_hpc.data.tokenizer import load_tokenizer
+        from yatt_hpc.data.tokenizer import load_tokenizer  # transformers, for an HF tokenizer: only with agent:
 
         template = Path(cfg.data.chat_template).read_text(encoding="utf-8") if cfg.data.chat_template else None
         toolbox = build_toolbox(cfg.agent) if cfg.agent.tools else None
