@@ -93,7 +93,7 @@ class AgentConfig(Section):
     """The regex of a tool call in a model turn; its first group is the JSON object {"name", "arguments"}.
     The default is the Qwen2.5/Qwen3 format."""
     tool_role: str = "tool"
-    """The chat-template role tool results (and environment observations) are rendered with."""
+    """The chat-template role tool results are rendered with (an environment's observations go as `user`)."""
     tool_timeout_s: float = Field(10.0, gt=0, le=3600)
     """A Python tool call that has not returned after this long is reported to the model as a timeout."""
     tool_workers: int = Field(4, ge=1, le=256)
