@@ -23,4 +23,5 @@ fi
 
 # lint first: seconds, and a CI run should not pass with code `make lint` rejects
 ${VENV:-.venv}/bin/ruff check yatt_hpc tests tools bench || exit 1
-"$PY" -m pytest -q "$@"
+# the slowest tests at the end of the log: where the suite's time goes
+"$PY" -m pytest -q --durations=25 "$@"
