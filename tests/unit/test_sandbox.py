@@ -74,6 +74,17 @@ def test_an_endless_program_is_killed(box, code):
     assert "timeout" in run.output or "CPU time" in run.output
 
 
+def test_a_program_past_its_cpu_limit_is_named_so():
+    """CPU time runs out long before the wall clock: the CPU limit's SIGKILL (all a namespace's PID 1 gets of
+    RLIMIT_CPU) is reported as the CPU limit, not as an unexplained kill."""
+    try:
+        box = PythonSandbox(SandboxConfig(timeout_s=30, cpu_s=1, memory_mb=256, processes=16, output_chars=200))
+    except SandboxError as err:
+        pytest.skip(f"no sandbox on this machine: {err}")
+    run = box.run("while True: pass")
+    assert run.status == "error" and "CPU time limit" in run.output, run
+
+
 def test_a_huge_output_is_cut_and_the_program_stopped(box):
     start = time.monotonic()
     run = box.run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)")

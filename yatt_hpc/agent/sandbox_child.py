@@ -62,7 +62,7 @@ def become_program(libc, limits: dict, source: bytes) -> None:
     if os.getuid() == 0 and uid is not None:
         os.chown(work, uid, uid)
     mb = 2**20
-    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))  # SIGXCPU first, SIGKILL 1 s on
+    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))  # SIGXCPU, then SIGKILL 1 s on (all PID 1 gets)
     for what, value in ( (resource.RLIMIT_AS, limits["memory_mb"] * mb),
                         (resource.RLIMIT_FSIZE, limits["file_mb"] * mb), (resource.RLIMIT_NPROC, limits["processes"]),
                         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64)):
@@ -95,9 +95,13 @@ def main() -> int:
             os._exit(SETUP_FAILED)
     deadline = time.monotonic() + limits["timeout_s"]
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
-            return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+            if os.WIFEXITED(status):
+                return os.waitstatus_to_exitcode(status)
+            if os.WTERMSIG(status) == signal.SIGKILL and usage.ru_utime + usage.ru_stime >= limits["cpu_s"]:
+                return 128 + signal.SIGXCPU  # the CPU limit's hard SIGKILL: PID 1 of a namespace ignores SIGXCPU
+            return 128 + os.WTERMSIG(status)
         if time.monotonic() >= deadline:
             os.kill(pid, signal.SIGKILL)  # PID 1 of the namespace: the kernel kills the rest with it
             os.waitpid(pid, 0)
