@@ -1,22 +1,25 @@
-"""B9's peer side: TRL's GRPOTrainer on the demo task, run inside bench/peers/.venv by bench/peer_trl.py.
+"""B9's peer side: TRL's GRPOTrainer on the demo task, run inside bench/peers/.venv by bench/peer_trl.py
+(and B9r's, at Qwen2.5-0.5B's shape, by bench/peer_trl_real.py).
 
     bench/peers/.venv/bin/python bench/peers/trl_grpo.py --model models/demo/policy --rows ROWS.json \
         --steps 30 --max-completion-length 12 --out trl.json
+    ... --model DIR --tokenizer DIR --batch-size 16 --beta 0 ...       # B9r
 
-ROWS.json: [{"prompt", "answer"}, ...] in the order yatt-hpc's trainers read them (bench/peer_trl.py writes
-it), 16 a step; the dataset is not shuffled, so step k sees the prompts of yatt-hpc's step k. The policy
-is the model directory as it is, the tokenizer the demo's character tokenizer as an HF twin (same ids),
+ROWS.json: [{"prompt", "answer"}, ...] in the order yatt-hpc's trainers read them (the bench writes it),
+batch-size / 8 a step; the dataset is not shuffled, so step k sees the prompts of yatt-hpc's step k. The policy
+is the model directory as it is, the tokenizer --tokenizer or the demo's character tokenizer as an HF twin (same ids),
 the reward `yatt_hpc.reward.verifier.rule_score` (what `reward.mode: rule_only` scores with). The GRPO
 settings are those of configs/demo_cpu.yaml (see `grpo_config`). Writes OUT: per-step wall time
 (on_step_begin -> on_step_end: generation, reward, reference and policy passes, optimizer step) and the
-part of it in generation and in the reward, mean reward and TRL's logged metrics, and the wall-clock
-times of the start-up marks.
+part of it in generation and in the reward, mean reward and TRL's logged metrics, the wall-clock
+times of the start-up marks, and the process's peak resident memory.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -27,7 +30,7 @@ import torch
 import transformers
 import trl
 from datasets import Dataset
-from transformers import TrainerCallback
+from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,14 +70,16 @@ class StepClock(TrainerCallback):
 
 
 def grpo_config(out_dir: str, args) -> GRPOConfig:
-    """configs/demo_cpu.yaml's GRPO step in TRL's terms: 16 prompts x 8 samples, one on-policy update, constant
-    lr 3e-4, clip [0.2, 0.28], k3 KL 0.001, token-mean loss over the batch (loss_type dapo, TRL's default),
-    grad clip 1.0, fp32, no gradient checkpointing (TRL turns both bf16 and checkpointing on by default)."""
+    """configs/demo_cpu.yaml's GRPO step in TRL's terms: 16 prompts x 8 samples (--batch-size), one on-policy
+    update, constant lr 3e-4, clip [0.2, 0.28], k3 KL 0.001 (--beta; 0: no reference model), token-mean loss over
+    the batch (loss_type dapo, TRL's default), grad clip 1.0, fp32, no gradient checkpointing (TRL turns both bf16
+    and checkpointing on by default)."""
     return GRPOConfig(
-        output_dir=out_dir, use_cpu=True, seed=args.seed, max_steps=args.steps, per_device_train_batch_size=128,
-        num_generations=8, max_completion_length=args.max_completion_length, temperature=1.0, top_k=0, top_p=1.0,
+        output_dir=out_dir, use_cpu=True, seed=args.seed, max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size, num_generations=8,
+        max_completion_length=args.max_completion_length, temperature=1.0, top_k=0, top_p=1.0,
         learning_rate=3e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        beta=0.001, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", num_iterations=1, shuffle_dataset=False,
+        beta=args.beta, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", num_iterations=1, shuffle_dataset=False,
         bf16=False, gradient_checkpointing=False, logging_steps=1, report_to=[], save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0)
 
@@ -87,6 +92,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--max-completion-length", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=128, help="samples a step, all in one micro-batch")
+    ap.add_argument("--beta", type=float, default=0.001, help="KL coefficient; 0 builds no reference model")
+    ap.add_argument("--tokenizer", type=Path, help="HF tokenizer directory (default: the demo's character "
+                    "tokenizer as an HF twin)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))  # yatt_hpc's tokenizer and verifier need only numpy and transformers
@@ -106,7 +115,8 @@ def main() -> None:
 
     clock = StepClock()
     with tempfile.TemporaryDirectory(prefix="trl_grpo_") as tmp:
-        tokenizer = save_hf_twin(CharTokenizer(), Path(tmp) / "tokenizer")
+        tokenizer = (AutoTokenizer.from_pretrained(str(args.tokenizer)) if args.tokenizer else
+                     save_hf_twin(CharTokenizer(), Path(tmp) / "tokenizer"))
         trainer = GRPOTrainer(model=args.model, reward_funcs=clock.timed(rule_reward, "reward"),
                               args=grpo_config(str(Path(tmp) / "out"), args), train_dataset=Dataset.from_list(rows),
                               processing_class=tokenizer, callbacks=[clock])
@@ -119,6 +129,7 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "step_s": clock.seconds, "phases": clock.phases, "reward_mean": rewards, "response_len_mean": lengths,
         "first_step_begin": clock.begins[0], "begins": clock.begins, "marks": marks, "torch_threads": torch.get_num_threads(),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__},
         "logs": clock.logs}, indent=1) + "\n")
 

@@ -62,7 +62,7 @@ def become_program(libc, limits: dict, source: bytes) -> None:
     if os.getuid() == 0 and uid is not None:
         os.chown(work, uid, uid)
     mb = 2**20
-    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))  # SIGXCPU, then SIGKILL 1 s on (all PID 1 gets)
+    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))  # SIGXCPU, SIGKILL 1 s on
     for what, value in ( (resource.RLIMIT_AS, limits["memory_mb"] * mb),
                         (resource.RLIMIT_FSIZE, limits["file_mb"] * mb), (resource.RLIMIT_NPROC, limits["processes"]),
                         (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 64)):
