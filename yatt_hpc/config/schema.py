@@ -402,7 +402,9 @@ class RolloutConfig(Section):
     """Long-tail control: a replica that needs k prompt groups dispatches ceil(k x ratio); once k are
     scored the stragglers are aborted and their prompts go back to the front of the replica's queue
     (each prompt is still consumed once). 1.0 turns it off. Above 1.0 which prompts make a step
-    depends on timing, so a resumed run is not bitwise identical to an uninterrupted one."""
+    depends on timing, so a resumed run is not bitwise identical to an uninterrupted one; with
+    rollout.partial_rollouts the stragglers are paused at a segment boundary instead (a function of the
+    sampled tokens: bitwise reproducible)."""
     routing: Literal["static", "least_loaded"] = "static"
     """Which rollout rank generates a prompt group: `static` (trainer replica d to rollout rank d mod R)
     or `least_loaded` (per wave, every group to the least-loaded rollout rank by estimated tokens)."""
