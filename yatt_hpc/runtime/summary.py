@@ -60,6 +60,7 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         "throughput/tokens_per_s": response_tokens / max(step_seconds, 1e-9),
         "data/prompts_consumed": _sum(reports, "prompts_consumed"),
         "rollout/generated": _sum(reports, "generated", "rollout"),
+        "rollout/generated_tokens": _sum(reports, "response_tokens", "rollout"),  # sampled, kept or not
         "rollout/aborted": _sum(reports, "aborted", "rollout"),
         "rollout/reused_prompts": _sum(reports, "reused_prompts"),
         "rollout/returned_prompts": _sum(reports, "returned_prompts"),
