@@ -51,12 +51,13 @@ STOP_POLL_S = 0.005  # how often a streaming engine call looks for over-dispatch
 
 
 class RolloutController(PartialSegments, BaseController):
+    version = 0  # the weights' version: the step they are used in (updates applied), per token in the batch
+
     def __init__(self, world, cfg: RunConfig, stats: RankStats, protocol: StepProtocol):
         self.world, self.cfg, self.stats, self.protocol = world, cfg, stats, protocol
         self.routes = Routes(world.plan)
         self.round = training_round(cfg)  # what the coming waves generate (validation's, in `evaluate`)
         self.colocate = world.plan.mode == "colocate"
-        self.version = 0  # the weights' version: the step they are used in (updates applied), per token in the batch
         # finished_groups / finished_samples: the whole wave in one engine call, streamed as it finishes
         self.streaming = None if self.colocate or cfg.rollout.streaming == "chunks" else cfg.rollout.streaming
         self.engine = build_engine(cfg.rollout.engine, cfg.model.path, device=rank_device(world),
