@@ -170,6 +170,12 @@ BENCHES = [
         "them; the phases are short (~0.2-0.3 s at 32 prompts x 8 samples of up to 24 tokens), so a step's fixed "
         "costs (the weight sync, the step report) are a large share. The learning rows are the demo's own shape "
         "(dp 2) over 30 steps, 3 seeds each.")),
+    Bench("B15", "partial_rollouts", limits=(
+        "One rank and one thread per group on a 2-core machine, the HF engine on CPU. The long tail is a random tiny "
+        "policy with a tuned end-of-sequence rate (it learns nothing; its lengths are the point); the demo has no "
+        "tail, so there partial rollouts only keep the groups completed beyond the step's need. A continued "
+        "sample's prefix is prefilled again (the HF engine keeps no cache across waves), and a wave runs on to "
+        "the first segment boundary after its k-th group completes.")),
     Bench("G1", "ckpt_stall_cuda", script="ckpt_stall", run=False, adapt=_ckpt_stall, limits=(
         "One H200, lent briefly; run by hand (`bench/ckpt_stall.py --device cuda`). The async stall is the "
         "device-to-pinned-host copy; the write and commit follow in the background.")),

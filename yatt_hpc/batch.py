@@ -3,16 +3,17 @@
     batch = SampleBatch(sample_id=..., prompt_id=..., owner=..., ...)     # numpy columns
     batch.select(index); SampleBatch.concat([a, b]); batch.sorted_by_id(); batch.ragged("response_tokens")
 
-Per-sample columns hold one value per sample; the RAGGED token columns are stored flat, with a
-per-sample length column (`prompt_len`, `response_len`, `answer_len`, `question_len`, `metadata_len`,
-and `response_len` again for `logprobs`). `question` is the user's text (not the templated prompt),
-`metadata` the row's other columns as JSON; both reach the reward terms. A row's images travel as
-their ENCODED bytes (`images`, `image_sizes` the byte length of each), once per prompt group: only
+Per-sample columns hold one value per sample; the RAGGED token columns are stored flat, with a per-sample
+length column (`prompt_len`, `response_len`, `answer_len`, `question_len`, `metadata_len`, and `response_len`
+again for `logprobs` and `token_version`: the weight version, i.e. the step whose weights sampled each
+response token; a batch built without it has version 0 on every token). `question` is the user's text (not the
+templated prompt), `metadata` the row's other columns as JSON; both reach the reward terms. A row's images
+travel as their ENCODED bytes (`images`, `image_sizes` the byte length of each), once per prompt group: only
 the group's first sample (`sample_id % n == 0`) carries them, the others have `image_count` 0, and
-`group_images()` gives every group's images from whichever of its samples carries them. Decoded
-pixels never enter a batch: each consumer builds its own model inputs (`vision/processor.py`). `comm.transport` moves a
-batch between ranks as raw buffers; the trainer, the engines and the judge read it. Nothing else
-about a sample exists outside these columns.
+`group_images()` gives every group's images from whichever of its samples carries them. Decoded pixels never
+enter a batch: each consumer builds its own model inputs (`vision/processor.py`). `comm.transport` moves a
+batch between ranks as raw buffers; the trainer, the engines and the judge read it. Nothing else about a
+sample exists outside these columns.
 
 The wire layout lives here too: `SampleBatch.packed(...)`, `select` and `concat` build a batch whose
 columns are views into ONE contiguous byte buffer (an int64 header: sample count, then the element
@@ -34,8 +35,9 @@ from operator import is_
 import numpy as np
 
 LENGTH_OF = {"prompt_tokens": "prompt_len", "response_tokens": "response_len", "logprobs": "response_len",
-             "answer": "answer_len", "question": "question_len", "metadata": "metadata_len",
-             "images": "images_len", "image_sizes": "image_count", "response_mask": "response_len"}
+             "token_version": "response_len", "answer": "answer_len", "question": "question_len",
+             "metadata": "metadata_len", "images": "images_len", "image_sizes": "image_count",
+             "response_mask": "response_len"}
 """Each ragged (flat) column and the per-sample column holding its length in elements."""
 RAGGED = tuple(LENGTH_OF)
 
@@ -52,13 +54,14 @@ class SampleBatch:
     response_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     response_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # per response token
+    token_version: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # per response token
     answer_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     answer: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # utf-8 bytes
     question_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     question: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # utf-8 bytes
     metadata_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     metadata: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # utf-8 JSON object
-    finish: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))  # 0 stop, 1 length, 2 abort
+    finish: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))  # 0 stop, 1 length, 2 abort, 3 paused
     reward: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     rule_score: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     genrm_score: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
@@ -84,6 +87,8 @@ class SampleBatch:
             col = getattr(self, name)
             if col.size == 0:
                 setattr(self, name, np.zeros(n, dtype=col.dtype))
+        if self.token_version.size == 0 and self.response_tokens.size:  # built without versions: version 0
+            self.token_version = np.zeros(self.response_tokens.size, np.int32)
 
     def __len__(self) -> int:
         return int(self.sample_id.shape[0])
@@ -147,6 +152,8 @@ class SampleBatch:
         n = len(index)
         if "response_tokens" in given and "response_mask" not in given:  # single-turn: every token sampled
             given["response_mask"] = np.ones(given["response_tokens"].size, np.uint8)
+        if "response_tokens" in given and "token_version" not in given:  # responses without versions: version 0
+            given["token_version"] = np.zeros(given["response_tokens"].size, np.int32)
         _check_given(given)
         gathers: dict[str, np.ndarray] = {}  # per length column: where the picked samples' elements are
         sizes = {}

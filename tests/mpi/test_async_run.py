@@ -7,8 +7,13 @@ The demo in `disjoint` placement (trainer dp 2, one rollout and one GenRM rank).
 weights after step t - s's update (the first s steps' from the initial weights): `async/staleness` is 0, 1, ..
 up to s, then s, and every prompt is consumed once (none is generated for a step past the last). SIGTERM at a
 random moment after a random step, then the same command again: the batches waiting for their step are in the
-checkpoint, so the resumed run ends with the uninterrupted run's weights and consumed prompts, bitwise. s = 1 in
-CI, s = 2 in `make test-faults`.
+checkpoint, so the resumed run ends with the uninterrupted run's weights and consumed prompts, bitwise.
+
+With partial rollouts (over-dispatch 1.5, segments of 1 token: the demo's responses end within a few tokens of
+each other, and longer segments find every group complete at the same boundary) samples unfinished when a replica's groups are
+complete are paused, kept by their owner (and in its checkpoint) and continued in the next wave under newer
+weights: some samples then span two weight versions, and the resume is still bitwise. CI runs s = 1 with partial
+rollouts; `make test-faults` runs s = 1 and s = 2 without, and s = 2 with.
 """
 import random
 import shutil
@@ -25,23 +30,24 @@ from tests.programs.held_engine import held_env
 from yatt_hpc.metrics.writer import step_rows
 
 K = 8
+PARTIAL = ("rollout.over_dispatch_ratio=1.5", "rollout.partial_rollouts=true", "rollout.partial_segment_tokens=1")
 
 
-def command(run_dir, staleness: int) -> list[str]:
+def command(run_dir, staleness: int, partial: bool = False) -> list[str]:
     sets = [f"train.steps={K}", "train.prompts_per_step=8", "rollout.samples_per_prompt=4", "checkpoint.interval=2",
             "checkpoint.stop_grace_s=2", "logging.progress=false", "placement.mode=disjoint", "eval.every=0",
-            f"rollout.max_staleness={staleness}"]
+            *(PARTIAL if partial else ()), f"rollout.max_staleness={staleness}"]
     return [sys.executable, "-m", "yatt_hpc.cli", "run", str(REPO / "configs/demo_cpu.yaml"), "--run-dir", str(run_dir),
             *(a for s in sets for a in ("--set", s))]
 
 
-def interrupt(run_dir, staleness: int):
+def interrupt(run_dir, staleness: int, partial: bool):
     """The run, SIGTERMed at a random moment after a random step; the last step that generates (weights
     version K - 1 - s) holds its rollout until the signal, so the run cannot end before it. (The hold ends with
     the signal, not with the process: an asynchronous step whose trainer has updated is finished, not given up,
     and a rollout held until the process ends would hold it forever.)"""
     env = mpi_env() | held_env(run_dir.parent / "held", until="signal", at_version=K - 1 - staleness)
-    proc = subprocess.Popen(command(run_dir, staleness), cwd=REPO, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command(run_dir, staleness, partial), cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seed = random.randrange(2**32)
     rng = random.Random(seed)
@@ -56,22 +62,34 @@ def interrupt(run_dir, staleness: int):
     return proc.returncode, out
 
 
-@pytest.mark.parametrize("staleness", [1, pytest.param(2, marks=full_matrix_only)])
-def test_an_asynchronous_run_resumes_bitwise(mpirun, tmp_path, staleness):
+@pytest.mark.parametrize(("staleness", "partial"), [
+    pytest.param(1, True, id="s1-partial"),
+    pytest.param(1, False, id="s1", marks=full_matrix_only),
+    pytest.param(2, False, id="s2", marks=full_matrix_only),
+    pytest.param(2, True, id="s2-partial", marks=full_matrix_only),
+])
+def test_an_asynchronous_run_resumes_bitwise(mpirun, tmp_path, staleness, partial):
     straight = tmp_path / "straight"
-    proc = subprocess.run(command(straight, staleness), cwd=REPO, env=mpi_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(command(straight, staleness, partial), cwd=REPO, env=mpi_env(), capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = step_rows(straight)
     assert [r["async/staleness"] for r in rows] == [min(t, staleness) for t in range(K)]
     assert sum(r["data/prompts_consumed"] for r in rows) == K * 8
     assert all(r["train/grad_norm"] > 0 for r in rows)
+    if partial:
+        paused, continued = sum(r["partial/paused"] for r in rows), sum(r["partial/continued"] for r in rows)
+        print(f"paused {paused:g}, continued {continued:g}, kept tokens {sum(r['partial/kept_tokens'] for r in rows):g}")
+        assert paused > 0 and continued > 0, "nothing was paused and continued: the test tests nothing"
+        assert max(r["partial/version_span_max"] for r in rows) >= 1, "no trained sample spans two weight versions"
+        assert all(r["partial/version_span_max"] <= staleness for r in rows)
+        assert all(r["partial/token_age_max"] <= 2 * staleness for r in rows)
 
     run_dir = tmp_path / "stopped"
-    code, out = interrupt(run_dir, staleness)
+    code, out = interrupt(run_dir, staleness, partial)
     assert code == 0, out[-3000:]
     assert finished_steps(run_dir) < K, "the stop came too late to test anything"
-    proc = subprocess.run(command(run_dir, staleness), cwd=REPO, env=mpi_env(), capture_output=True, text=True,
+    proc = subprocess.run(command(run_dir, staleness, partial), cwd=REPO, env=mpi_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "resumed from checkpoint step" in proc.stdout

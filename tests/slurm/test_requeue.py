@@ -179,18 +179,22 @@ def test_requeue_during_a_long_step_gives_it_up_within_the_grace(slurm_cluster, 
 
 
 ASYNC = ("placement.mode=partial", "rollout.max_staleness=1", "eval.every=0")  # one node, as the high job needs
+PARTIAL = ("rollout.over_dispatch_ratio=1.5", "rollout.partial_rollouts=true", "rollout.partial_segment_tokens=1")
 
 
-def test_a_preempted_asynchronous_job_requeues_and_resumes_bitwise(slurm_cluster, tmp_path):
-    """`rollout.max_staleness=1` (docs/async.md): the batch generated ahead of its step is in the checkpoint the
-    preemption's stop writes, so the requeued job ends with the weights of the same run under mpirun."""
+@pytest.mark.parametrize("extra", [pytest.param((), id="async"),
+                                   pytest.param(PARTIAL, id="partial-rollouts", marks=full_matrix_only)])
+def test_a_preempted_asynchronous_job_requeues_and_resumes_bitwise(slurm_cluster, tmp_path, extra):
+    """`rollout.max_staleness=1` (docs/async.md): the batch generated ahead of its step (and, with partial rollouts,
+    the paused samples) are in the checkpoint the preemption's stop writes, so the requeued job ends with the
+    weights of the same run under mpirun."""
     straight = tmp_path / "straight"
-    args = [a for s in (*ARGS, *ASYNC) for a in ("--set", s)]
+    args = [a for s in (*ARGS, *ASYNC, *extra) for a in ("--set", s)]
     proc = subprocess.run([PYTHON, "-m", "yatt_hpc.cli", "run", DEMO, "--run-dir", str(straight), *args],
                           cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     run_dir = tmp_path / "run"
-    high = preempt_held_run(run_dir, tmp_path, *ASYNC)
+    high = preempt_held_run(run_dir, tmp_path, *ASYNC, *extra)
     assert "resumed from checkpoint step" in logs(run_dir)
     assert finished_steps(run_dir) == STEPS
     assert_same_weights(checkpoint_weights(run_dir, STEPS), checkpoint_weights(straight, STEPS))

@@ -192,8 +192,9 @@ def test_select_writes_given_columns_as_they_are_and_refuses_a_length_without_it
                         logprobs=np.linspace(0, 1, 5, dtype=np.float32), finish=np.array([1, 0], np.int8))
     picked = plain.select(rows)
     for c in COLUMNS:
-        if c not in ("response_len", "response_tokens", "logprobs", "finish", "response_mask"):
+        if c not in ("response_len", "response_tokens", "logprobs", "token_version", "finish", "response_mask"):
             assert np.array_equal(getattr(made, c), getattr(picked, c)), c
+    assert made.token_version.tolist() == [0] * 5, "responses given without versions: version 0"
     assert made.response_len.tolist() == [2, 3] and made.response_tokens.tolist() == [7, 8, 9, 10, 11]
     assert made.finish.tolist() == [1, 0] and made.wire() is not None, "one buffer: sent as it lies"
     same(from_wire(made.wire().copy()), made)

@@ -73,6 +73,22 @@ BAD = [
     pytest.param(["rollout.max_staleness=2", "placement.mode=partial", "placement.dynamic_split.enabled=true",
                   "eval.sources=[]", "eval.samples_per_prompt=1", "eval.max_prompts=null"],
                  ["rollout.max_staleness=2 with placement.dynamic_split.enabled"], id="async-dynamic-split"),
+    pytest.param(["rollout.partial_rollouts=true", "rollout.over_dispatch_ratio=1.5"],
+                 ["rollout.partial_rollouts=true with rollout.max_staleness=0", "set rollout.max_staleness >= 1"],
+                 id="partial-synchronous"),
+    pytest.param(["rollout.partial_rollouts=true", "rollout.max_staleness=1", "placement.mode=disjoint"],
+                 ["rollout.over_dispatch_ratio=1", "rollout.over_dispatch_ratio > 1"], id="partial-no-over-dispatch"),
+    pytest.param(["rollout.partial_rollouts=true", "rollout.max_staleness=1", "placement.mode=disjoint",
+                  "rollout.over_dispatch_ratio=1.5", "rollout.streaming=finished_groups"],
+                 ["rollout.streaming=finished_groups with rollout.partial_rollouts=true", "rollout.streaming=chunks"],
+                 id="partial-finished-groups"),
+    pytest.param(["rollout.partial_rollouts=true", "rollout.max_staleness=1", "placement.mode=disjoint",
+                  "rollout.over_dispatch_ratio=1.5", "rollout.partial_segment_tokens=12"],
+                 ["rollout.partial_segment_tokens=12 with rollout.max_new_tokens=12", "below max_new_tokens"],
+                 id="partial-segment-too-long"),
+    pytest.param(["rollout.partial_segment_tokens=4"],
+                 ["rollout.partial_segment_tokens=4 without rollout.partial_rollouts", "rollout.partial_rollouts=true"],
+                 id="segment-without-partial"),
 ]
 
 
@@ -82,6 +98,13 @@ def test_bad_values_name_field_value_and_fix(overrides, needles):
         load_config(REPO / "configs/demo_cpu.yaml", overrides)
     for needle in needles:
         assert needle in str(err.value)
+
+
+def test_partial_rollouts_segment_defaults_to_a_quarter_of_the_response_cap():
+    sets = ["rollout.partial_rollouts=true", "rollout.max_staleness=1", "placement.mode=disjoint",
+            "rollout.over_dispatch_ratio=1.5"]
+    assert load_config(REPO / "configs/demo_cpu.yaml", sets).rollout.segment_tokens == 3  # max_new_tokens 12
+    assert load_config(REPO / "configs/demo_cpu.yaml", [*sets, "rollout.max_new_tokens=13"]).rollout.segment_tokens == 4
 
 
 def test_missing_and_unreadable_and_malformed_files(tmp_path):

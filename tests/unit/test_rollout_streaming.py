@@ -110,7 +110,7 @@ class _SenderRoomAfter:
 def _controller(streaming: str, engine, n: int = 2):
     cfg = load_config(REPO / "configs/partial_cpu.yaml", [f"rollout.streaming={streaming}", f"rollout.samples_per_prompt={n}"])
     ctl = object.__new__(RolloutController)
-    ctl.cfg, ctl.streaming, ctl.handshake = cfg, streaming, False
+    ctl.cfg, ctl.streaming = cfg, streaming  # no over-dispatch in this config: no STOP handshake
     ctl.stats, ctl.engine = RankStats("rollout"), engine
     ctl.genrm_of = lambda owner: 3
     ctl.round = training_round(cfg)

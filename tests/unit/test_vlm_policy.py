@@ -163,6 +163,7 @@ def test_shared_prompt_update_on_image_prompts_equals_the_padded_update(vlm_dir,
     batch.response_tokens = np.concatenate(responses).astype(np.int32)
     batch.response_len = np.array([len(r) for r in responses], np.int32)
     batch.response_mask = np.ones(batch.response_tokens.size, np.uint8)  # every token sampled
+    batch.token_version = np.zeros(batch.response_tokens.size, np.int32)
     batch.logprobs = np.full(int(batch.response_len.sum()), -3.0, np.float32)
     adv = np.array([1.0, -1.0, 0.5, -0.5], np.float32)
     before = parameters(padded)

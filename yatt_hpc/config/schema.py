@@ -403,7 +403,9 @@ class RolloutConfig(Section):
     """Long-tail control: a replica that needs k prompt groups dispatches ceil(k x ratio); once k are
     scored the stragglers are aborted and their prompts go back to the front of the replica's queue
     (each prompt is still consumed once). 1.0 turns it off. Above 1.0 which prompts make a step
-    depends on timing, so a resumed run is not bitwise identical to an uninterrupted one."""
+    depends on timing, so a resumed run is not bitwise identical to an uninterrupted one; with
+    rollout.partial_rollouts the stragglers are paused at a segment boundary instead (a function of the
+    sampled tokens: bitwise reproducible)."""
     routing: Literal["static", "least_loaded"] = "static"
     """Which rollout rank generates a prompt group: `static` (trainer replica d to rollout rank d mod R)
     or `least_loaded` (per wave, every group to the least-loaded rollout rank by estimated tokens)."""
@@ -416,14 +418,52 @@ class RolloutConfig(Section):
     function of the step, never of timing. The first s batches are generated before the first update. The
     batches waiting for their step are in the checkpoint, so a resume is exact. Use with
     `train.off_policy.proximal: recompute` (decoupled PPO) to take the ratio against the trainer's weights."""
+    partial_rollouts: bool = False
+    """Partial rollouts (docs/async.md): with over-dispatch and rollout.max_staleness >= 1, a wave generates in
+    segments of rollout.partial_segment_tokens new tokens per unfinished sample; once a replica has the groups
+    its step needs complete, its unfinished samples are paused at that segment boundary instead of aborted,
+    keeping their tokens, log-probs and weight versions (`token_version`), and continued first in its next
+    wave under newer weights. A paused group whose oldest token is more than max_staleness versions older than
+    the weights that would continue it is dropped and its prompt generated afresh. Which samples pause is a
+    function of the sampled tokens, not of timing, so runs and resumes stay bitwise reproducible."""
+    partial_segment_tokens: int | None = Field(None, ge=1)
+    """With rollout.partial_rollouts: the new tokens each unfinished sample samples per segment (the pause
+    granularity: smaller cuts the long tail finer and costs more engine calls). null: max_new_tokens / 4,
+    rounded up."""
+
+    @property
+    def segment_tokens(self) -> int:
+        """Partial rollouts' segment length (rollout.partial_segment_tokens, or max_new_tokens / 4 rounded up)."""
+        return self.partial_segment_tokens or -(-self.max_new_tokens // 4)
 
     @model_validator(mode="after")
     def _samples_stream_alone(self) -> RolloutConfig:
         if self.streaming == "finished_samples" and self.over_dispatch_ratio > 1.0:
-            raise ValueError(f"rollout.streaming=finished_samples with rollout.over_dispatch_ratio={self.over_dispatch_ratio:g}: "
-                             "over-dispatch keeps the first prompt groups to finish whole, and samples streamed one by "
-                             "one would have GenRM score groups it then drops; use rollout.streaming=finished_groups "
-                             "with over-dispatch, or rollout.over_dispatch_ratio=1.0")
+            raise ValueError(f"rollout.streaming=finished_samples with rollout.over_dispatch_ratio="
+                             f"{self.over_dispatch_ratio:g}: over-dispatch keeps the first prompt groups to finish "
+                             "whole, and samples streamed one by one would have GenRM score groups it then drops; "
+                             "use rollout.streaming=finished_groups with over-dispatch, or "
+                             "rollout.over_dispatch_ratio=1.0")
+        if self.partial_segment_tokens is not None and not self.partial_rollouts:
+            raise ValueError(f"rollout.partial_segment_tokens={self.partial_segment_tokens} without "
+                             "rollout.partial_rollouts: the segment length only applies to partial rollouts; set "
+                             "rollout.partial_rollouts=true or drop rollout.partial_segment_tokens")
+        if not self.partial_rollouts:
+            return self
+        if self.max_staleness < 1 or self.over_dispatch_ratio <= 1.0:
+            raise ValueError(f"rollout.partial_rollouts=true with rollout.max_staleness={self.max_staleness} and "
+                             f"rollout.over_dispatch_ratio={self.over_dispatch_ratio:g}: a paused sample is continued "
+                             "in a later wave under newer weights, which needs asynchronous steps and groups "
+                             "dispatched beyond the step's need; set rollout.max_staleness >= 1 and "
+                             "rollout.over_dispatch_ratio > 1, or rollout.partial_rollouts=false")
+        if self.streaming != "chunks":
+            raise ValueError(f"rollout.streaming={self.streaming} with rollout.partial_rollouts=true: partial rollouts "
+                             "send a replica's samples when its wave's last segment ends (which samples pause is "
+                             "decided per segment); use rollout.streaming=chunks or rollout.partial_rollouts=false")
+        if self.segment_tokens >= self.max_new_tokens:
+            raise ValueError(f"rollout.partial_segment_tokens={self.segment_tokens} with rollout.max_new_tokens="
+                             f"{self.max_new_tokens}: a segment as long as the response never pauses anything; "
+                             "set rollout.partial_segment_tokens below max_new_tokens (null: a quarter of it)")
         return self
 
     @field_validator("top_p")

@@ -16,13 +16,16 @@ import numpy as np
 from yatt_hpc.batch import SampleBatch, batch_columns, batch_from_columns
 from yatt_hpc.comm.transport import bcast_batch
 from yatt_hpc.errors import InputError
+from yatt_hpc.roles.partial import PartialCarry
 from yatt_hpc.roles.protocol import GENERATED, SCORED
 from yatt_hpc.roles.samples import samples_due
 from yatt_hpc.sched.dynamic_sampling import has_signal
 
 
-class AsyncSteps:
-    """The asynchronous step; the controller provides the waves' pieces (dispatch, collect, train_on, report)."""
+class AsyncSteps(PartialCarry):
+    """The asynchronous step; the controller provides the waves' pieces (dispatch, collect, train_on, report).
+    With partial rollouts (`PartialCarry`) a wave sends the replica's paused groups first and keeps those that
+    come back unfinished."""
 
     staleness: int
     pending: list[tuple[int, SampleBatch]]
@@ -41,14 +44,13 @@ class AsyncSteps:
             # the step whose batch this wave generates; none past the run's last step (the wave sends nothing)
             needed = step + self.staleness - fill + index < self.cfg.train.steps
             if self.is_owner:
-                dispatched = self.dispatch_prompts(self.sampler.first_wave() if needed else 0)
+                dispatched = self.dispatch_wave(self.sampler.first_wave() if needed else 0, step)
             if index == fill:  # generation runs on the rollout and GenRM ranks while this replica trains
                 done["batch"], done["update"], done["age"] = self.train_waiting(step)
             self.protocol.gate(GENERATED)
             self.protocol.gate(SCORED)
             if self.is_owner:
-                got = self.collect_scored()
-                self.settle(step, dispatched, got)
+                got = self.collect_wave(step, dispatched)
                 if needed:
                     groups = np.unique(got.prompt_id)
                     self.sampler.observe(len(groups), sum(has_signal(got.reward[got.prompt_id == g]) for g in groups))
@@ -61,6 +63,7 @@ class AsyncSteps:
             self.sync_weights()
         batch = done["batch"]
         self.stats.values["staleness"] = float(done["age"])
+        self.note_versions(batch, step)
         self.report(batch, done["update"])
         if self.is_owner and samples_due(self.cfg, step + 1):
             self.add_samples(batch, step + 1, "train", lambda pid: self.source.row_at(pid)["image_names"])
@@ -85,7 +88,7 @@ class AsyncSteps:
         """The checkpoint's record of the waiting batches (owners: the batches; every rank: how many)."""
         return {"pending": {str(i): {"generated": np.array([g], np.int64), "columns": batch_columns(b)}
                             for i, (g, b) in enumerate(self.pending)},
-                "pending_count": np.array([self.pending_count], np.int64)}
+                "pending_count": np.array([self.pending_count], np.int64), **self.carry_state()}
 
     def load_pending(self, position: dict, step: int) -> None:
         """The waiting batches of an asynchronous run's checkpoint (`light_state`)."""
@@ -102,3 +105,4 @@ class AsyncSteps:
         self.pending_count = saved
         for _, batch in self.pending:
             self.stats.hold(len(batch))
+        self.load_carry(position, step)

@@ -13,6 +13,7 @@ parameters and optimizer state) must be announced with `guard.enter_mutation()` 
 """
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
@@ -27,6 +28,21 @@ def prompt_tools(cfg) -> list[dict] | None:
     from yatt_hpc.agent.tools import tool_schemas
 
     return tool_schemas(cfg.agent)
+
+
+def group_rendezvous(world) -> tuple[str, int]:
+    """Rank 0 of the group picks a torch.distributed address (this host, a free port); every rank learns it."""
+    found = None
+    if world.group_rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        try:
+            addr = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            addr = "127.0.0.1"
+        found = (addr, port)
+    return world.group_comm.bcast(found, root=0)
 
 
 def rank_device(world) -> str:

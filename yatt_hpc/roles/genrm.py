@@ -35,6 +35,7 @@ from yatt_hpc.reward.terms import RewardTerms, ScoringRows
 from yatt_hpc.reward.verdict import build_verdict_parser
 from yatt_hpc.roles.base import BaseController, engine_options, eval_round, rank_device, training_round
 from yatt_hpc.roles.colocation import holding_devices
+from yatt_hpc.roles.partial import PartialScoring
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.runtime.rank_stats import RankStats
 from yatt_hpc.sched.overdispatch import ReplicaWave
@@ -48,13 +49,12 @@ def judge_batch_size(cfg) -> int:
     return cfg.reward.judge_batch_size or cfg.rollout.max_batch_size or 64
 
 
-class GenRMController(BaseController):
+class GenRMController(PartialScoring, BaseController):
     def __init__(self, world, cfg: RunConfig, stats: RankStats, protocol: StepProtocol):
         self.world, self.cfg, self.stats, self.protocol = world, cfg, stats, protocol
         self.routes = Routes(world.plan)
         self.round = training_round(cfg)  # validation's in `evaluate`
         self.colocate = world.plan.mode == "colocate"
-        self.handshake = cfg.rollout.over_dispatch_ratio > 1.0  # STOP/END with the rollout ranks (overdispatch)
         self.policy_tokenizer = load_tokenizer(cfg.model.path)
         rc = cfg.reward
         self.judge = None
@@ -98,7 +98,7 @@ class GenRMController(BaseController):
         sender = StreamSender(self.world.comm, max_inflight=len(self.replicas) + 1)
         self.protocol.gate(GENERATED)
         with holding_devices(self.stats, self.judge, self.colocate):  # rollout had the devices until the gate
-            self.score_wave(sender)
+            self.score_partial(sender) if self.partial else self.score_wave(sender)
         self.protocol.gate(SCORED)
         sender.drain()
         return False  # GenRM never asks for another wave

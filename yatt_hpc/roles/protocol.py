@@ -32,6 +32,9 @@ Point-to-point traffic of a wave (tags in `comm/transport.py`), around those gat
     rollout        <- TAG_PROMPTS, generate, TAG_SAMPLES -> GenRM (colocate: all before `gate generated`);
                    over-dispatch: <- TAG_STOP, TAG_END -> GenRM, all before `gate scored`
     genrm          <- TAG_COUNT, <- TAG_SAMPLES, [TAG_STOP ->, <- TAG_END], TAG_SCORED -> owner
+    partial rollouts (training waves): no STOP/END; the rollout ranks generate in segments, each followed by an
+                   Iallreduce on the rollout group (which replicas have their groups), then send every row;
+                   GenRM waits for all of them and sends the owner its kept groups scored and the rest as they are
     after the waves the trainers send TAG_WEIGHTS to the rollout ranks that generate next (no agreement);
                    by transport (comm/weight_sync.py): bytes, or manifests beside a pair group's broadcasts,
                    or CUDA IPC handles each answered by TAG_WEIGHTS_DONE

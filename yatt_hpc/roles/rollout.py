@@ -38,6 +38,7 @@ from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.base import BaseController, eval_round, rank_device, rollout_engine_options, training_round
 from yatt_hpc.roles.colocation import holding_devices
+from yatt_hpc.roles.partial import PartialSegments
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.rollout import GenerationRequest, GenerationResult, build_engine
 from yatt_hpc.runtime.rank_stats import RankStats
@@ -50,13 +51,14 @@ FINISH_CODES = {"stop": 0, "length": 1, "abort": 2}
 STOP_POLL_S = 0.005  # how often a streaming engine call looks for over-dispatch STOPs
 
 
-class RolloutController(BaseController):
+class RolloutController(PartialSegments, BaseController):
+    version = 0  # the weights' version: the step they are used in (updates applied), per token in the batch
+
     def __init__(self, world, cfg: RunConfig, stats: RankStats, protocol: StepProtocol):
         self.world, self.cfg, self.stats, self.protocol = world, cfg, stats, protocol
         self.routes = Routes(world.plan)
         self.round = training_round(cfg)  # what the coming waves generate (validation's, in `evaluate`)
         self.colocate = world.plan.mode == "colocate"
-        self.handshake = cfg.rollout.over_dispatch_ratio > 1.0  # STOP/END with GenRM (over-dispatch)
         # finished_groups / finished_samples: the whole wave in one engine call, streamed as it finishes
         self.streaming = None if self.colocate or cfg.rollout.streaming == "chunks" else cfg.rollout.streaming
         self.engine = build_engine(cfg.rollout.engine, cfg.model.path, device=rank_device(world),
@@ -76,12 +78,13 @@ class RolloutController(BaseController):
         return self.routes.replicas_of_rollout(self.world.rank)
 
     def step(self, step: int) -> None:
+        self.version = step
         self.generate_waves()
         self.receive_weights()
 
     def evaluate(self, step: int) -> None:
         """Generate the held-out prompts the trainer replicas send (eval's n and temperature); no weights follow."""
-        self.round = eval_round(self.cfg)
+        self.round, self.version = eval_round(self.cfg), step
         try:
             with self.stats.aside("eval"):
                 self.generate_waves()
@@ -117,7 +120,9 @@ class RolloutController(BaseController):
         sender = StreamSender(self.world.comm, max(len(work.assigned), 1) if self.colocate else self.cfg.rollout.stream_queue)
         generated = released = 0
         with holding_devices(self.stats, self.engine, self.colocate):  # the trainer had the devices
-            while (index := self.next_chunk(work)) is not None:
+            if self.partial:  # rollout.partial_rollouts: segments until each replica's groups are complete
+                generated, released = self.partial_wave(prompts, sender), len(prompts)
+            while not self.partial and (index := self.next_chunk(work)) is not None:
                 if self.streaming:
                     with self.stats.phase("rollout"):
                         generated += self.generate_streaming(prompts.select(index), work, sender)
@@ -253,6 +258,7 @@ class RolloutController(BaseController):
         lens = np.array([len(r.response_ids) for r in ordered], np.int32)
         filled = prompts.select(rows, response_len=lens, response_tokens=_flat([r.response_ids for r in ordered], np.int32),
                                 logprobs=_flat([r.logprobs for r in ordered], np.float32),
+                                token_version=np.full(int(lens.sum()), self.version, np.int32),
                                 finish=np.array([FINISH_CODES[r.finish_reason] for r in ordered], np.int8),
                                 **extra_columns(extra, prompts.sample_id[rows]))
         self.stats.add("response_tokens", float(lens.sum()))

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +54,7 @@ from yatt_hpc.errors import InputError
 from yatt_hpc.lora.identity import lora_record, resume_problem
 from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.async_steps import AsyncSteps
-from yatt_hpc.roles.base import BaseController, prompt_tools, rank_device
+from yatt_hpc.roles.base import BaseController, group_rendezvous, prompt_tools, rank_device
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.roles.samples import TermLabels, sample_rows, samples_due
@@ -105,7 +104,7 @@ class TrainerController(AsyncSteps, BaseController):
         images = ImageProcessor.from_model_dir(cfg.model.path) if is_vision_model(cfg.model.path) else None
         self.source = build_prompt_source(cfg.data, self.tokenizer, require_answer=cfg.reward.mode != "rm_only",
                                           images=images, tools=prompt_tools(cfg))
-        addr, port = self._rendezvous()
+        addr, port = group_rendezvous(world)
         tp, self.pp = world.plan.group("trainer").size("tp"), world.plan.group("trainer").size("pp")
         device = rank_device(world)
         megatron_model.initialize_model_parallel(world.group_rank, world.group_comm.Get_size(), addr, port,
@@ -130,22 +129,6 @@ class TrainerController(AsyncSteps, BaseController):
             self.policy.release_memory()  # rollout and GenRM take the devices first each step
         log.info("trainer dp=%d tp=%d pp=%d owner=%s ready; update forward: %s", self.dp_rank, self.tp_rank,
                  self.pp_rank, self.is_owner, self.policy.layout_note)
-
-    def _rendezvous(self) -> tuple[str, int]:
-        """Trainer rank 0 picks the torch.distributed address; everyone learns it over MPI."""
-        if self.world.group_rank == 0:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-            host = socket.gethostname()
-            try:
-                addr = socket.gethostbyname(host)
-            except OSError:
-                addr = "127.0.0.1"
-            found = (addr, port)
-        else:
-            found = None
-        return self.world.group_comm.bcast(found, root=0)
 
     # ------------------------------------------------------------------ the step, as one screen
 
@@ -327,18 +310,23 @@ class TrainerController(AsyncSteps, BaseController):
         ds.end_step(mean)
         self.stats.values["ema_expansion"] = ds.ema_expansion
 
-    def dispatch_prompts(self, keep: int) -> dict[int, int]:
-        """Send ceil(keep x ratio) prompt groups to the rollout ranks; returns {position: row id} sent."""
-        positions, reused = self.queue.take(dispatch_count(keep, self.ratio))
+    def dispatch_prompts(self, keep: int, carried: SampleBatch | None = None) -> dict[int, int]:
+        """Send ceil(keep x ratio) prompt groups to the rollout ranks, `carried` (partial rollouts' paused groups,
+        roles/partial.py) first; returns {position: row id} sent."""
+        going = np.unique(carried.prompt_id) if carried is not None else np.zeros(0, np.int64)
+        positions, reused = self.queue.take(dispatch_count(keep, self.ratio) - len(going))
         rows = [self.source.row_at(int(p)) for p in positions]
         prompts = [np.asarray(self.source.encode(r), np.int32) for r in rows]  # data.format, length checked
-        self.send_prompts(np.asarray(positions, np.int64), rows, prompts, self.n, keep)
+        self.send_prompts(np.asarray(positions, np.int64), rows, prompts, self.n, keep, carried)
         self.stats.add("reused_prompts", reused)
         self.stats.values["route_spread"] = max(self.stats.values.get("route_spread", 1.0), self.router.spread)
-        return {int(p): int(r["id"]) for p, r in zip(positions, rows)}
+        return {int(p): int(self.source.row_at(int(p))["id"]) for p in going} | \
+            {int(p): int(r["id"]) for p, r in zip(positions, rows)}
 
-    def send_prompts(self, ids: np.ndarray, rows: list, prompts: list[np.ndarray], n: int, keep: int) -> None:
-        """n copies of each prompt (`ids` its prompt ids) to its rollout rank; GenRM learns what comes."""
+    def send_prompts(self, ids: np.ndarray, rows: list, prompts: list[np.ndarray], n: int, keep: int,
+                     carried: SampleBatch | None = None) -> None:
+        """n copies of each prompt (`ids` its prompt ids) after the `carried` groups, to each group's rollout
+        rank; GenRM learns what comes."""
         answers = [np.frombuffer(r["answer"].encode(), np.uint8) for r in rows]
         questions = [np.frombuffer(r["question"].encode(), np.uint8) for r in rows]
         metadata = [np.frombuffer(json.dumps(r["metadata"]).encode() if r["metadata"] else b"", np.uint8) for r in rows]
@@ -357,6 +345,8 @@ class TrainerController(AsyncSteps, BaseController):
             metadata=np.concatenate([metadata[i] for i in rep]) if rows else np.zeros(0, np.uint8),
             **image_columns([r.get("images") or [] for r in rows], n),
         )
+        if carried is not None:
+            batch, prompts = SampleBatch.concat([carried, batch]), [*carried.ragged("prompt_tokens")[::n], *prompts]
         groups_to = self.router.assign(self.routes, [n * (len(p) + self.expected_response) for p in prompts])
         rank_of = np.repeat(np.asarray(groups_to, np.int64), n)
         self.stats.hold(len(batch))

@@ -49,6 +49,7 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         "train/rollout_logp_diff_max": _max_value(reports, "logp_diff_max", default=0.0),
         "train/micro_batch_tokens_max": _max_value(reports, "micro_batch_tokens_max", default=0.0),
         **_off_policy(reports),
+        **_partial(reports),
         "async/staleness": _max_value(reports, "staleness", default=0.0),
         "rollout/response_len_mean": response_tokens / samples,
         "time/step": step_seconds,
@@ -59,6 +60,7 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         "throughput/tokens_per_s": response_tokens / max(step_seconds, 1e-9),
         "data/prompts_consumed": _sum(reports, "prompts_consumed"),
         "rollout/generated": _sum(reports, "generated", "rollout"),
+        "rollout/generated_tokens": _sum(reports, "response_tokens", "rollout"),  # sampled, kept or not
         "rollout/aborted": _sum(reports, "aborted", "rollout"),
         "rollout/reused_prompts": _sum(reports, "reused_prompts"),
         "rollout/returned_prompts": _sum(reports, "returned_prompts"),
@@ -124,6 +126,23 @@ def _agent(reports: list[dict]) -> dict[str, float]:
             "agent/masked_fraction": _sum(reports, "agent_masked_tokens", "rollout")
             / max(_sum(reports, "agent_response_tokens", "rollout"), 1.0),
             "agent/env_errors": _sum(reports, "agent_env_errors", "rollout")}
+
+
+def _partial(reports: list[dict]) -> dict[str, float]:
+    """`partial/...` (rollout.partial_rollouts; absent when it is off): samples paused at a segment boundary,
+    continued from a paused state, and dropped as too old in the step's waves; response tokens dispatched again
+    instead of generated afresh; segments the rollout ranks ran; the trained samples' version span (max - min
+    weight version of a sample's tokens) and the oldest trained token's age in updates."""
+    if not any("partial_paused" in r["values"] or "partial_span_samples" in r["values"] for r in reports):
+        return {}
+    return {"partial/paused": _sum(reports, "partial_paused"),
+            "partial/continued": _sum(reports, "partial_continued"),
+            "partial/dropped": _sum(reports, "partial_dropped"),
+            "partial/kept_tokens": _sum(reports, "partial_kept_tokens"),
+            "partial/segments": _max_value(reports, "partial_segments", default=0.0, group="rollout"),
+            "partial/version_span_mean": _sum(reports, "partial_span_sum") / max(_sum(reports, "partial_span_samples"), 1.0),
+            "partial/version_span_max": _max_value(reports, "partial_span_max", default=0.0),
+            "partial/token_age_max": _max_value(reports, "partial_token_age_max", default=0.0)}
 
 
 def _term_means(reports: list[dict]) -> dict[str, float]:
