@@ -109,9 +109,9 @@ class MegatronCritic(MegatronPolicy):
         return values.gather(1, index.to(values.device)), mask.to(values.device), None
 
     def update_values(self, batch: SampleBatch, old_values: list[np.ndarray], returns: list[np.ndarray],
-                      plan: UpdatePlan, value_clip: float | None) -> CriticStats:
+                      plan: UpdatePlan) -> CriticStats:
         """`plan.epochs` passes, one optimizer step per mini-batch: the clipped value loss against `returns`,
-        clipped around `old_values` (the values the advantages were computed with)."""
+        clipped within `train.critic.value_clip` of `old_values` (the values the advantages were computed with)."""
         stats = CriticStats()
         self.model.train()
         for _ in range(plan.epochs):
@@ -119,7 +119,7 @@ class MegatronCritic(MegatronPolicy):
                 self._zero_grads()
                 for micro in micro_batches(batch, index, self.cfg):
                     stats = self._value_step(batch.select(micro), [old_values[i] for i in micro],
-                                             [returns[i] for i in micro], plan.keep[micro], totals, value_clip, stats)
+                                             [returns[i] for i in micro], plan.keep[micro], totals, stats)
                     ACTIVITY.progress()
                 stats.grad_norm += self._optimizer_step()
                 stats.optimizer_steps += 1
@@ -131,14 +131,14 @@ class MegatronCritic(MegatronPolicy):
         return stats
 
     def _value_step(self, mb: SampleBatch, old: list[np.ndarray], returns: list[np.ndarray], keep: np.ndarray,
-                    totals, value_clip: float | None, stats: CriticStats) -> CriticStats:
+                    totals, stats: CriticStats) -> CriticStats:
         """One micro-batch's share of the mini-batch's value loss, backward; its sums added to `stats`."""
         v_new, mask, layout = self._micro_values(mb)
         width = v_new.shape[1]
         v_old = shared_prompt.padded(old, width).to(v_new.device)
         ret = shared_prompt.padded(returns, width).to(v_new.device)
         mask = mask * torch.from_numpy(keep).to(mask)[:, None]  # train.mask_truncated: out of this loss too
-        per_token, clipped = value_loss(v_new, v_old, ret, value_clip)
+        per_token, clipped = value_loss(v_new, v_old, ret, self.cfg.critic.value_clip)
         loss = aggregate(per_token, mask, "token-mean", totals)
         with shared_prompt.active(layout) if layout is not None else contextlib.nullcontext():
             loss.backward()  # a recomputed layer (train.recompute) attends on the same stream

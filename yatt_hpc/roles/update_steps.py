@@ -20,14 +20,13 @@ import numpy as np
 import torch
 
 from yatt_hpc.algos.advantages import Advantages
-from yatt_hpc.algos.gae import estimate_gae, value_sums
+from yatt_hpc.algos.gae import value_sums
 from yatt_hpc.algos.off_policy import importance_weights
-from yatt_hpc.algos.schedule import learning_rate
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.errors import InputError
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.train.policy import UpdateStats
-from yatt_hpc.train.step_plan import plan_update, step_advantages
+from yatt_hpc.train.step_plan import critic_lr, plan_update, step_advantages, step_gae
 
 
 class UpdateSteps:
@@ -64,8 +63,7 @@ class UpdateSteps:
         tc = self.cfg.train
         if values is None:
             return step_advantages(batch, tc, penalties, reduce=self.sum_over_replicas)
-        gae = estimate_gae(batch.reward, values, gamma=tc.gamma, lam=tc.critic.lam, token_penalties=penalties,
-                           whiten_advantages=tc.critic.whiten_advantages, reduce=self.sum_over_replicas)
+        gae = step_gae(batch, values, tc, penalties, reduce=self.sum_over_replicas)
         self._gae = (values, gae.returns)
         return Advantages(gae.advantages, 0)
 
@@ -77,15 +75,13 @@ class UpdateSteps:
         """The critic's update on this step's returns (its second turn on the devices) and its metrics."""
         if self.critic is None:
             return
-        tc, cc = self.cfg.train, self.cfg.train.critic
         values, returns = self._gae
-        plan = plan_update(batch, tc, self.cfg.rollout.max_new_tokens, gather=self.gather_over_replicas,
+        plan = plan_update(batch, self.cfg.train, self.cfg.rollout.max_new_tokens, gather=self.gather_over_replicas,
                            reduce=self.sum_over_replicas)
-        lr = learning_rate(step, base=cc.lr, warmup_steps=cc.lr_warmup_steps, decay=cc.lr_decay,
-                           decay_steps=cc.lr_decay_steps or tc.steps, min_lr=cc.min_lr)
+        lr = critic_lr(step, self.cfg.train)
         with holding_devices(self.stats, self.critic, self.colocate), self.stats.phase("critic"):
             self.critic.set_lr(lr)
-            stats = self.critic.update_values(batch, values, returns, plan, cc.value_clip)
+            stats = self.critic.update_values(batch, values, returns, plan)
         self._gae = None
         self.stats.values.update({"critic_lr": lr, "critic_grad_norm": stats.grad_norm})
         if self.is_owner:
