@@ -21,13 +21,15 @@ from yatt_hpc.errors import InputError
 DEMO_POLICY = Path(__file__).resolve().parents[2] / "models" / "demo" / "policy"
 
 
-def _critic(path=DEMO_POLICY, **critic):
+def _critic(path=None, **critic):
+    """A critic from `train.critic.path` (null: the demo policy's model.path) on this one-rank world."""
     from yatt_hpc.critic.update import MegatronCritic
 
     share = critic.pop("share_prompts", True)
-    cfg = TrainConfig(adv_estimator="gae", share_prompts=share, micro_batch_size=3,
-                      critic={"lr": 1e-3, "head_init_std": 0.05, **critic})
-    return MegatronCritic.from_hf(path, 0, 1, cfg)
+    cfg = RunConfig.model_validate({"model": {"path": str(DEMO_POLICY)}, "train": {
+        "adv_estimator": "gae", "share_prompts": share, "micro_batch_size": 3,
+        "critic": {"lr": 1e-3, "head_init_std": 0.05, "path": None if path is None else str(path), **critic}}})
+    return MegatronCritic.from_run_config(cfg, 0, 1)
 
 
 def _returns(batch, values):
@@ -80,7 +82,13 @@ def test_the_critics_optimizer_takes_its_own_settings_and_lr_is_adams_first_step
                                  whole_batch_plan(batch, critic.cfg))
     moved = float((critic.model.output_layer.bias - bias).abs())
     assert moved == pytest.approx(2e-3, rel=1e-3)  # Adam's first step: lr x sign(gradient)
-    assert stats.grad_norm > 0.5  # the norm before the clip; the step used gradients clipped to 0.5
+    assert stats.grad_norm > 0.5  # the norm before the clip
+    critic._zero_grads()  # grad_clip: the gradients the optimizer steps with have the norm 0.5
+    critic._value_step(batch, critic.values(batch), [np.full(n, 3.0) for n in batch.response_len],
+                       np.ones(len(batch), np.float32), whole_batch_plan(batch, critic.cfg).totals[0], stats)
+    grads = [(p, p.grad) for p in critic.master.values()]
+    assert critic._clip_grads(grads) > 0.5
+    assert float(torch.sqrt(sum((g.double() ** 2).sum() for _, g in grads))) == pytest.approx(0.5, rel=1e-4)
 
 
 def test_a_new_head_is_drawn_with_head_init_std_and_zero_starts_at_zero(one_rank_world):
@@ -182,3 +190,18 @@ def test_critic_settings_the_run_cannot_take_are_refused_before_launch(sets, nee
             cfg = RunConfig.model_validate({**raw, "train": {"adv_estimator": "gae", "critic": {"path": str(other)}}})
     with pytest.raises(InputError, match=needle.replace(".", r"\.")):
         check_critic(cfg)
+
+
+def test_the_plan_shows_the_critic_and_its_memory():
+    from yatt_hpc.placement import plan as plan_placement
+    from yatt_hpc.placement.show import critic_text
+
+    base = {"placement": {"mode": "colocate", "trainer": {"nodes": 1, "tasks_per_node": 2, "tp": 1, "dp": 2}}}
+    cfg = RunConfig.model_validate({**base, "train": {"adv_estimator": "gae", "shard_optimizer": True}})
+    text = critic_text(plan_placement(cfg), cfg)
+    assert "from model.path (Pc = P)" in text and "AdamW 8Pc/2 (sharded over dp)" in text and "in turn" in text
+    bf16 = RunConfig.model_validate({**base, "model": {"dtype": "bfloat16"},
+                                     "train": {"adv_estimator": "gae", "critic": {"path": "models/rm"}}})
+    assert "train.critic.path=models/rm: weights 2Pc/1" in critic_text(plan_placement(bf16), bf16)
+    plain = RunConfig.model_validate(base)
+    assert critic_text(plan_placement(plain), plain) is None

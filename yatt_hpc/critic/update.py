@@ -1,6 +1,6 @@
 """The trainer's critic: the value model's shard on this trainer rank, its AdamW, its values and its update.
 
-    critic = MegatronCritic.from_hf(cfg.train.critic.path or cfg.model.path, tp_rank, tp_size, cfg.train, dtype)
+    critic = MegatronCritic.from_run_config(cfg, tp_rank, tp_size)   # train.critic.path, else model.path
     values = critic.values(batch)                          # V_t per response token, one array per sample
     critic.set_lr(lr)
     stats = critic.update_values(batch, values, returns, plan)   # the clipped value loss, token-mean
@@ -52,6 +52,13 @@ def critic_train_config(train: TrainConfig) -> TrainConfig:
 
 class MegatronCritic(MegatronPolicy):
     """The value model on this trainer rank (see the module docstring)."""
+
+    @classmethod
+    def from_run_config(cls, cfg, tp_rank: int, tp_size: int) -> MegatronCritic:
+        """The value model a `RunConfig` asks for: from `train.critic.path`, else the policy's `model.path`, in
+        `model.dtype`."""
+        return cls.from_hf(cfg.train.critic.path or cfg.model.path, tp_rank, tp_size, cfg.train,
+                           dtype=getattr(torch, cfg.model.dtype))
 
     @classmethod
     def from_hf(cls, model_dir: str | Path, tp_rank: int, tp_size: int, cfg: TrainConfig,

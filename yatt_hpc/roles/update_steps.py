@@ -17,7 +17,6 @@ values, once for its update after the policy's. Its tensors and AdamW state are 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from yatt_hpc.algos.advantages import Advantages
 from yatt_hpc.algos.gae import value_sums
@@ -38,14 +37,12 @@ class UpdateSteps:
 
     def build_critic(self, tp: int) -> None:
         """The value model of `train.critic` on this rank (None without `adv_estimator: gae`)."""
-        tc = self.cfg.train
-        if tc.adv_estimator != "gae":
+        if self.cfg.train.adv_estimator != "gae":
             return
         from yatt_hpc.critic.update import MegatronCritic
 
         try:
-            self.critic = MegatronCritic.from_hf(tc.critic.path or self.cfg.model.path, self.tp_rank, tp, tc,
-                                                 dtype=getattr(torch, self.cfg.model.dtype))
+            self.critic = MegatronCritic.from_run_config(self.cfg, self.tp_rank, tp)
         except ValueError as err:
             raise InputError(str(err)) from None
         if self.colocate:
