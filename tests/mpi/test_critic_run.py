@@ -16,7 +16,7 @@ from tests.conftest import REPO, mpi_env
 
 CONFIG = str(REPO / "configs/demo_cpu.yaml")
 PPO = ["train.adv_estimator=gae", "train.critic.lr=1e-3", "train.critic.warmup_steps=3"]
-STEPS, SAVED = 20, 10
+STEPS, SAVED = 20, 15
 
 
 def yatt(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
