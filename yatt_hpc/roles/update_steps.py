@@ -24,7 +24,6 @@ from yatt_hpc.algos.off_policy import importance_weights
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.errors import InputError
 from yatt_hpc.roles.colocation import holding_devices
-from yatt_hpc.train.policy import UpdateStats
 from yatt_hpc.train.step_plan import critic_lr, plan_update, step_advantages, step_gae
 
 
@@ -89,8 +88,10 @@ class UpdateSteps:
             self.stats.add("critic_clipped", stats.clipped)
             self.stats.add("critic_loss_tokens", stats.tokens)
 
-    def warmup_stats(self) -> UpdateStats:
+    def warmup_stats(self):
         """The policy's statistics of a step it does not train (the critic's warm-up)."""
+        from yatt_hpc.train.policy import UpdateStats  # Megatron: imported where the trainer builds its models
+
         return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
     # ------------------------------------------------------------------ decoupled PPO
