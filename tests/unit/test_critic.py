@@ -205,3 +205,42 @@ def test_the_plan_shows_the_critic_and_its_memory():
     assert "train.critic.path=models/rm: weights 2Pc/1" in critic_text(plan_placement(bf16), bf16)
     plain = RunConfig.model_validate(base)
     assert critic_text(plan_placement(plain), plain) is None
+
+
+def test_a_checkpoint_holds_the_critic_and_exports_it_as_token_classification(tmp_path):
+    """No Megatron model here: the checkpoint files, their reading back, and `export_critic` on a Llama."""
+    from transformers import AutoModelForTokenClassification
+
+    from tests.mpi.convert_tp2_worker import tiny_hf_model
+    from yatt_hpc.ckpt import CheckpointError, CheckpointManager, RankState, SharedState
+    from yatt_hpc.ckpt.export_hf import export_critic
+    from yatt_hpc.ckpt.loader import read_rank
+    from yatt_hpc.critic.model import value_shard
+    from yatt_hpc.train.convert import hf_to_megatron
+
+    model_dir, run_dir = tmp_path / "llama", tmp_path / "run"
+    llama = tiny_hf_model("llama-gqa-untied-vocab61")
+    llama.save_pretrained(model_dir)
+    critic = value_shard(llama.state_dict(), llama.config, 0, 1, seed=0, init_std=0.3, where="test")
+    optim = {"output_layer.bias.exp_avg": torch.ones(1)}
+    with CheckpointManager(run_dir) as mgr:
+        mgr.save(4, RankState("trainer/dp0/tp0/pp0", {"dp": 0, "tp": 0, "pp": 0},
+                              model=hf_to_megatron(llama.state_dict(), llama.config, 0, 1), critic=critic,
+                              critic_optim=optim, critic_optim_meta={"kind": "test"}),
+                 SharedState(config_yaml=f"model:\n  path: {model_dir}\ntrain:\n  adv_estimator: gae\n"))
+        mgr.save(5, RankState("trainer/dp0/tp0/pp0", {"dp": 0, "tp": 0, "pp": 0},
+                              model=hf_to_megatron(llama.state_dict(), llama.config, 0, 1)),
+                 SharedState(config_yaml=f"model:\n  path: {model_dir}\n"))
+    restored = read_rank(run_dir / "checkpoints" / "step-4", "trainer/dp0/tp0/pp0")
+    assert restored.critic.keys() == critic.keys() and all(torch.equal(restored.critic[k], critic[k]) for k in critic)
+    assert torch.equal(restored.critic_optim["output_layer.bias.exp_avg"], torch.ones(1))
+    assert restored.critic_optim_meta == {"kind": "test"}
+    assert not read_rank(run_dir / "checkpoints" / "step-5", "trainer/dp0/tp0/pp0").critic
+    export_critic(run_dir, 4, tmp_path / "out")
+    model = AutoModelForTokenClassification.from_pretrained(tmp_path / "out").eval()
+    assert type(model).__name__ == "LlamaForTokenClassification" and model.config.num_labels == 1
+    torch.testing.assert_close(model.score.weight.detach(), critic["output_layer.weight"], rtol=0, atol=0)
+    backbone = {k: v for k, v in llama.state_dict().items() if k != "lm_head.weight"}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in backbone.items())
+    with pytest.raises(CheckpointError, match="holds no value model"):
+        export_critic(run_dir, 5, tmp_path / "none")
