@@ -2,17 +2,18 @@
 alone in its warm-up, a resume from a checkpoint ends bitwise where the straight run ends (policy, critic and both
 AdamW states), and `ckpt export-hf --critic` writes a value model transformers loads.
 
-    .venv/bin/python -m pytest tests/mpi/test_critic_run.py -q
+    .venv/bin/python -m pytest tests/mpi/test_critic_run.py -q     (bf16 with a sharded optimizer: make test-faults)
 """
 import json
 import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import REPO, mpi_env
+from tests.conftest import REPO, full_matrix_only, mpi_env
 
 CONFIG = str(REPO / "configs/demo_cpu.yaml")
 PPO = ["train.adv_estimator=gae", "train.critic.lr=1e-3", "train.critic.warmup_steps=3"]
@@ -33,9 +34,14 @@ def run(run_dir, *sets: str) -> None:
     yatt("run", CONFIG, "--run-dir", str(run_dir), *(a for s in sets for a in ("--set", s)))
 
 
-def test_ppo_with_a_critic_learns_the_demo_and_resumes_bitwise(mpirun, tmp_path):
+@pytest.mark.parametrize("sets", [
+    pytest.param([], id="fp32"),
+    # the critic's AdamW sharded over the two dp ranks, bf16 parameters with fp32 masters
+    pytest.param(["train.shard_optimizer=true", "model.dtype=bfloat16"], id="bf16-sharded", marks=full_matrix_only),
+])
+def test_ppo_with_a_critic_learns_the_demo_and_resumes_bitwise(mpirun, tmp_path, sets):
     straight = tmp_path / "straight"
-    run(straight)
+    run(straight, *sets)
     summary = json.loads((straight / "summary.json").read_text())
     rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "reward/mean" in r]
@@ -52,10 +58,11 @@ def test_ppo_with_a_critic_learns_the_demo_and_resumes_bitwise(mpirun, tmp_path)
     resumed = tmp_path / "resumed"
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / f"step-{STEPS}")
-    run(resumed)
+    run(resumed, *sets)
     end_a, end_b = straight / "checkpoints" / f"step-{STEPS}", resumed / "checkpoints" / f"step-{STEPS}"
     files = sorted(p.name for p in end_a.glob("*.safetensors"))
-    assert {"critic-tp0-pp0.safetensors", "critic-optim-tp0-pp0-dp0.safetensors"} <= set(files)
+    assert {"critic-tp0-pp0.safetensors", "critic-optim-tp0-pp0-dp0.safetensors",
+            "critic-optim-tp0-pp0-dp1.safetensors"} <= set(files)
     assert files == sorted(p.name for p in end_b.glob("*.safetensors"))
     for name in files:
         a, b = load_file(str(end_a / name)), load_file(str(end_b / name))
