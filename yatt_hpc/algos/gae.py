@@ -55,7 +55,7 @@ def estimate_gae(rewards: np.ndarray, values: Sequence[np.ndarray], *, gamma: fl
                  reduce: Callable[[np.ndarray], np.ndarray] = _identity) -> GAE:
     """Token-level GAE of every sample: the reward on its last token less `token_penalties` per token, `values`
     the critic's V_t per response token. `whiten_advantages` whitens A over every response token of the global
-    batch (verl whitens GAE's advantages always, `masked_whiten`; TRL `whiten_advantages`); returns are not."""
+    batch (verl and TRL's PPOTrainer always whiten GAE's advantages, `masked_whiten`); returns are not."""
     advantages, returns = [], []
     for i, (reward, v) in enumerate(zip(np.asarray(rewards, np.float64), values)):
         token_rewards = np.zeros(len(v), np.float64)

@@ -34,8 +34,8 @@ class CriticConfig(Section):
     lam: float = Field(1.0, ge=0, le=1)
     """GAE's lambda (verl `algorithm.lam`, TRL `lam`); gamma is `train.gamma`. 1 with gamma 1 makes A_t = R - V_t."""
     whiten_advantages: bool = True
-    """Whiten the GAE advantages over every response token of the global batch (verl always does; TRL
-    `whiten_advantages`, default false there)."""
+    """Whiten the GAE advantages over every response token of the global batch (verl and TRL's PPOTrainer always
+    do); false keeps them as GAE gives them."""
     value_clip: float | None = Field(0.5, gt=0)
     """PPO's value clip: the new value is held within value_clip of the value before the update in the
     loss's second term (verl `critic.cliprange_value`, 0.5; TRL `cliprange_value`, 0.2); null: no clip."""
