@@ -1,6 +1,6 @@
-"""Real `mpirun -np 2`: the value model split over two tensor ranks, or its samples over two data-parallel ranks,
-gives the values and the updates of one rank (GPT-2 with tied embeddings, and a Llama with GQA and an untied
-head), every rank of a tensor group the same values.
+"""Real `mpirun -np 2`: the value model split over two tensor ranks or two pipeline stages, or its samples over two
+data-parallel ranks, gives the values and the updates of one rank (GPT-2 with tied embeddings, and a Llama with
+GQA and an untied head; pipeline stages on the Llama, whose 2 layers split in two), every rank the same values.
 
     .venv/bin/python -m pytest tests/mpi/test_critic_layouts.py -q     (in `make test-faults`)
 """
@@ -25,18 +25,23 @@ def models(tmp_path_factory) -> list[str]:
     return [DEMO_POLICY, str(llama)]
 
 
-def _layout(mpirun, out, ranks: int, tp: int, models: list[str]) -> dict[int, dict[str, float]]:
+def _layout(mpirun, out, ranks: int, tp: int, models: list[str], pp: int = 1) -> list[dict]:
     cmd = [mpirun, "--oversubscribe", "--bind-to", "none", "-np", str(ranks), PYTHON, "-m",
-           "tests.programs.critic_update", "--out", str(out), "--tp", str(tp), *(a for m in models for a in ("--model", m))]
+           "tests.programs.critic_update", "--out", str(out), "--tp", str(tp), "--pp", str(pp),
+           *(a for m in models for a in ("--model", m))]
     proc = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [dict(np.load(out / f"rank-{r}.npz")) for r in range(ranks)]
 
 
-def test_tensor_and_data_parallel_critics_give_the_single_rank_values_and_updates(mpirun, tmp_path, models):
+def test_tensor_pipeline_and_data_parallel_critics_give_the_single_rank_values_and_updates(mpirun, tmp_path, models):
     one = _layout(mpirun, tmp_path / "one", 1, 1, models)[0]
     tp2 = _layout(mpirun, tmp_path / "tp2", 2, 2, models)
     dp2 = _layout(mpirun, tmp_path / "dp2", 2, 1, models)
+    pp2 = _layout(mpirun, tmp_path / "pp2", 2, 1, models[1:], pp=2)
+    for report in pp2:  # both stages report the last stage's values
+        for key in ("before", "after"):
+            np.testing.assert_allclose(report[f"{key}0"], one[f"{key}1"], atol=2e-5, err_msg=f"pp2 {key}")
     for index in range(len(models)):
         ids = one[f"ids{index}"]
         for key in ("before", "after"):

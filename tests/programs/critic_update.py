@@ -1,6 +1,6 @@
-"""Two updates of the value model over one global batch in this MPI world's layout (tp from --tp, dp the rest).
+"""Two updates of the value model over one global batch in this MPI world's layout (--tp, --pp, dp the rest).
 
-    mpirun -n 2 python -m tests.programs.critic_update --out DIR --tp 2 --model models/demo/policy [--model ...]
+    mpirun -n 2 python -m tests.programs.critic_update --out DIR --tp 2 --pp 1 --model models/demo/policy [--model ...]
 
 Every rank builds the critic of each --model (train.critic on its own decoder, a new head seeded by train.seed),
 keeps the prompt groups g with g % dp == its dp rank, and runs `MegatronCritic.values` and two
@@ -24,12 +24,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--model", action="append", required=True)
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    tp_rank, dp_rank, dp = rank % args.tp, rank // args.tp, size // args.tp
-    dp_comm = comm.Split(tp_rank, dp_rank)
+    dp = size // (args.tp * args.pp)  # Megatron's order: tp fastest, then dp, then pp
+    tp_rank, dp_rank, pp_rank = rank % args.tp, (rank // args.tp) % dp, rank // (args.tp * dp)
+    dp_comm = comm.Split(tp_rank + args.tp * pp_rank, dp_rank)
     port = None
     if rank == 0:
         with socket.socket() as s:
@@ -42,7 +44,7 @@ def main() -> None:
     from yatt_hpc.train import megatron_model as mm
     from yatt_hpc.train.step_plan import plan_update
 
-    mm.initialize_model_parallel(rank, size, "127.0.0.1", port, tp_size=args.tp, seed=0)
+    mm.initialize_model_parallel(rank, size, "127.0.0.1", port, tp_size=args.tp, pp_size=args.pp, seed=0)
     batch = global_batch()
     mine = batch.select(np.flatnonzero(batch.prompt_id % dp == dp_rank))
     rng = np.random.default_rng(5)

@@ -83,9 +83,14 @@ def test_the_critics_optimizer_takes_its_own_settings_and_lr_is_adams_first_step
     moved = float((critic.model.output_layer.bias - bias).abs())
     assert moved == pytest.approx(2e-3, rel=1e-3)  # Adam's first step: lr x sign(gradient)
     assert stats.grad_norm > 0.5  # the norm before the clip
+    old = critic.values(batch)
     critic._zero_grads()  # grad_clip: the gradients the optimizer steps with have the norm 0.5
-    critic._value_step(batch, critic.values(batch), [np.full(n, 3.0) for n in batch.response_len],
-                       np.ones(len(batch), np.float32), whole_batch_plan(batch, critic.cfg).totals[0], stats)
+    inputs = critic._inputs(batch)
+    loss, _ = critic._value_loss((np.arange(len(batch)), batch, inputs), critic._forward(critic.model, inputs), old,
+                                 [np.full(n, 3.0) for n in batch.response_len], np.ones(len(batch), np.float32),
+                                 whole_batch_plan(batch, critic.cfg).totals[0])
+    with critic._backward_layout(inputs):
+        loss.backward()
     grads = [(p, p.grad) for p in critic.master.values()]
     assert critic._clip_grads(grads) > 0.5
     assert float(torch.sqrt(sum((g.double() ** 2).sum() for _, g in grads))) == pytest.approx(0.5, rel=1e-4)
@@ -143,7 +148,7 @@ def test_the_exported_critic_loads_in_transformers_and_gives_the_same_values(one
 
     critic = _critic(head_init_std=0.3)
     critic.model.output_layer.bias.data.fill_(0.25)
-    hf = to_token_classification([critic.checkpoint_tensors()], load_hf_config(DEMO_POLICY))
+    hf = to_token_classification([[critic.checkpoint_tensors()]], load_hf_config(DEMO_POLICY))
     assert {"classifier.weight", "classifier.bias", "transformer.wte.weight"} <= hf.keys()
     out = tmp_path / "critic"
     out.mkdir()
@@ -163,8 +168,9 @@ def test_the_exported_critic_loads_in_transformers_and_gives_the_same_values(one
 
 
 @pytest.mark.parametrize("sets, needle", [
-    pytest.param({"placement": {"trainer": {"nodes": 1, "tasks_per_node": 2, "tp": 1, "pp": 2, "dp": 1}}},
-                 "placement.trainer.pp=2", id="pipeline"),
+    pytest.param({"placement": {"trainer": {"nodes": 1, "tasks_per_node": 2, "tp": 1, "pp": 2, "dp": 1}},
+                  "train": {"adv_estimator": "gae", "critic": {"path": "models/demo/policy"}}},
+                 "placement.trainer.pp=2", id="pipeline-stages-split-the-critics-layers"),
     pytest.param({"rollout": {"max_staleness": 1}, "placement": {"mode": "partial"}}, "rollout.max_staleness=1",
                  id="asynchronous"),
     pytest.param({"train": {"adv_estimator": "gae", "critic": {"path": "models/demo/judge"}}}, "vocab_size",

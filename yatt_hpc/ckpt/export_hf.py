@@ -114,14 +114,12 @@ def export_critic(run_dir: str | Path, step: int, out: str | Path, model_dir: st
     from yatt_hpc.critic.model import to_token_classification, token_classification_config
 
     step_dir, src, hf_config, _ = _open_step(run_dir, step, model_dir or _critic_dir(run_dir, step))
-    shards = layout.model_shards(step_dir)
-    files = sorted(step_dir.glob("critic-tp*-pp0.safetensors"), key=lambda p: int(p.stem.split("-tp")[1].split("-")[0]))
-    if not files:
+    if not any(step_dir.glob("critic-tp*-pp*.safetensors")):
         raise CheckpointError(f"checkpoint step {step} at {step_dir} holds no value model (its run had no "
                               "train.adv_estimator=gae); export the policy without --critic")
-    if any(pp for _, pp in shards):
-        raise CheckpointError(f"{step_dir}: a critic is trained on one pipeline stage; this checkpoint has several")
-    hf_sd = to_token_classification([load_file(str(p)) for p in files], hf_config)
+    stages = [[load_file(str(step_dir / layout.critic_file(tp, pp))) for tp, _ in stage]
+              for pp, stage in enumerate(_shard_grid(step_dir))]
+    hf_sd = to_token_classification(stages, hf_config)
     target = dtype or _float_dtype(hf_sd)
     hf_sd = {k: v.to(DTYPES[target]).contiguous() if v.is_floating_point() else v for k, v in hf_sd.items()}
     out = Path(out)
@@ -134,6 +132,12 @@ def export_critic(run_dir: str | Path, step: int, out: str | Path, model_dir: st
     config = token_classification_config(json.loads((src / "config.json").read_text()))
     (out / "config.json").write_text(json.dumps(_with_dtype(config, target), indent=2, sort_keys=True) + "\n")
     return Export(out, target, None)
+
+
+def _shard_grid(step_dir: Path) -> list[list[tuple[int, int]]]:
+    """(tp, pp) of every parameter shard as ``[pp][tp]`` (the critic has the policy's layout)."""
+    return [[(int(p.name.split("-tp")[1].split("-")[0]), pp) for p in stage]
+            for pp, stage in enumerate(_ordered_shards(step_dir))]
 
 
 def _critic_dir(run_dir: str | Path, step: int) -> Path:

@@ -6,7 +6,7 @@
 
 Part of the typed configuration (`yatt_hpc.config.schema.TrainConfig.critic`); the formulas are
 `yatt_hpc/algos/gae.py`, the model and its update `yatt_hpc/critic/`, the guide docs/critic.md. The critic has
-the policy's trainer layout (tp, dp) and its own AdamW, learning rate and schedule; the policy's micro-batch,
+the policy's trainer layout (tp, pp, dp) and its own AdamW, learning rate and schedule; the policy's micro-batch,
 mini-batch, epoch, recompute and share_prompts settings shape its passes too.
 """
 from __future__ import annotations

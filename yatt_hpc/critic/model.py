@@ -3,7 +3,7 @@
     model = build_value_model(hf_config, tp_size, params_dtype)       # after initialize_model_parallel
     shard = value_shard(load_hf_state_dict(d), hf_config, tp_rank, tp_size, seed, init_std)
     megatron_model.load_megatron_shard(model, shard)
-    values = forward_values(model, input_ids)                         # [B, T] float32
+    values = megatron_model.forward_logits(model, input_ids)[..., 0]  # [B, T]: the head's output
     hf = to_token_classification(shards, hf_config)                   # {hf name: tensor}, *ForTokenClassification
 
 The decoder is the policy's architecture (`train/megatron_model.py`, the same converter rules); the LM head is
@@ -51,17 +51,20 @@ class ValueHead(torch.nn.Module):
 
 def build_value_model(hf_config: Any, tp_size: int, params_dtype: torch.dtype = torch.float32,
                       recompute: megatron_model.Recompute | None = None):
-    """This rank's TP shard of the value model (random decoder, zero head): `load_megatron_shard` fills it."""
+    """This rank's TP shard of its pipeline stage of the value model (random decoder, zero head on the last stage):
+    `load_megatron_shard` fills it. Its head is its own, never the embedding: no tied weights to keep in step."""
     model = megatron_model.build_gpt_model(hf_config, tp_size, params_dtype=params_dtype,
                                            recompute=recompute or megatron_model.Recompute())
-    device = next(model.parameters()).device
-    model.output_layer = ValueHead(describe_hf_config(hf_config, tp_size).hidden_size, params_dtype, device)
+    if model.post_process:
+        device = next(model.parameters()).device
+        model.output_layer = ValueHead(describe_hf_config(hf_config, tp_size).hidden_size, params_dtype, device)
+    model.share_embeddings_and_output_weights = False
     return model
 
 
-def _backbone_rules(hf_config: Any, tp_size: int) -> tuple[Any, list[convert.Rule]]:
+def _backbone_rules(hf_config: Any, tp_size: int, stage: convert.Stage) -> tuple[Any, list[convert.Rule]]:
     arch = describe_hf_config(hf_config, tp_size)
-    rules = [rule for unit in convert.weight_rules(arch) for rule in unit if rule.megatron != "output_layer.weight"]
+    rules = [rule for unit in convert.weight_rules(arch, stage) for rule in unit if rule.megatron != "output_layer.weight"]
     return arch, rules
 
 
@@ -82,11 +85,12 @@ def hf_head(hf_state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Te
 
 
 def value_shard(hf_state: dict[str, torch.Tensor], hf_config: Any, tp_rank: int, tp_size: int, seed: int,
-                init_std: float, where: str) -> dict[str, torch.Tensor]:
-    """The Megatron shard of the value model: the decoder from `hf_state` (a causal LM's, or a classifier's), the
-    head from its one-label head, or new: N(0, init_std^2) from a generator seeded by `seed` (the same on every
-    rank), bias 0. An LM head in `hf_state` is not used."""
-    arch, rules = _backbone_rules(hf_config, tp_size)
+                init_std: float, where: str, stage: convert.Stage | None = None) -> dict[str, torch.Tensor]:
+    """The Megatron shard of pipeline `stage` of the value model: the decoder from `hf_state` (a causal LM's, or a
+    classifier's), on the last stage the head from its one-label head, or new: N(0, init_std^2) from a generator
+    seeded by `seed` (the same on every rank), bias 0. An LM head in `hf_state` is not used."""
+    stage = stage or convert.Stage()
+    arch, rules = _backbone_rules(hf_config, tp_size, stage)
     head = hf_head(hf_state, where)
     needed = {name for rule in rules for name in rule.hf}
     missing = sorted(needed - set(hf_state))
@@ -95,7 +99,9 @@ def value_shard(hf_state: dict[str, torch.Tensor], hf_config: Any, tp_rank: int,
                          f"more), which the directory does not hold; is it a {arch.family} model?")
     shard = {rule.megatron: convert.split_tensor(rule, [hf_state[n] for n in rule.hf], arch, tp_rank, tp_size)
              for rule in rules}
-    dtype = shard["embedding.word_embeddings.weight"].dtype
+    if not stage.last:
+        return shard
+    dtype = next(iter(shard.values())).dtype
     if head is None:
         gen = torch.Generator().manual_seed(seed)
         weight = torch.randn(1, arch.hidden_size, generator=gen, dtype=torch.float32) * init_std
@@ -105,24 +111,20 @@ def value_shard(hf_state: dict[str, torch.Tensor], hf_config: Any, tp_rank: int,
     return shard
 
 
-def forward_values(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """[B, T] float32 values of right-padded `input_ids` [B, T] (causal, positions 0..T-1)."""
-    return megatron_model.forward_logits(model, input_ids)[..., 0].float()
-
-
-def to_token_classification(shards: list[dict[str, torch.Tensor]], hf_config: Any) -> dict[str, torch.Tensor]:
-    """The HF state dict of a `*ForTokenClassification` (num_labels 1) from the value model's TP shards (in tp
-    order): the decoder under the causal LM's names, the head under `classifier`/`score`."""
-    arch, rules = _backbone_rules(hf_config, len(shards))
-    if arch.family not in TOKEN_CLASSIFICATION:
-        raise ValueError(f"no *ForTokenClassification is mapped for model_type={arch.family!r}")
+def to_token_classification(stages: list[list[dict[str, torch.Tensor]]], hf_config: Any) -> dict[str, torch.Tensor]:
+    """The HF state dict of a `*ForTokenClassification` (num_labels 1) from the value model's shards (`stages[pp][tp]`):
+    the decoder under the causal LM's names, the head (the last stage's) under `classifier`/`score`."""
     out = {}
-    for rule in rules:
-        if not rule.copy:
-            out.update(convert.merge_tensor(rule, [s[rule.megatron] for s in shards], arch))
+    for index, shards in enumerate(stages):
+        arch, rules = _backbone_rules(hf_config, len(shards), convert.Stage(index, len(stages)))
+        if arch.family not in TOKEN_CLASSIFICATION:
+            raise ValueError(f"no *ForTokenClassification is mapped for model_type={arch.family!r}")
+        for rule in rules:
+            if not rule.copy:
+                out.update(convert.merge_tensor(rule, [s[rule.megatron] for s in shards], arch))
     head = TOKEN_CLASSIFICATION[arch.family][1]
-    out[f"{head}.weight"] = shards[0]["output_layer.weight"]
-    out[f"{head}.bias"] = shards[0]["output_layer.bias"]
+    out[f"{head}.weight"] = stages[-1][0]["output_layer.weight"]
+    out[f"{head}.bias"] = stages[-1][0]["output_layer.bias"]
     return out
 
 

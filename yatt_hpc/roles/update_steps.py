@@ -10,7 +10,7 @@ Each trainer rank holds its shard of the value model (same tensor and data-paral
 computes the values of its replica's samples: no driver, no extra messages. In full colocation the critic takes
 the devices in turn with the policy (released and resumed like the policy, `roles/colocation.py`): once for the
 values, once for its update after the policy's. Its tensors and AdamW state are in every checkpoint
-(`critic-tp{t}-pp0.safetensors`, `critic-optim-tp{t}-pp0-dp{d}.safetensors`).
+(`critic-tp{t}-pp{p}.safetensors`, `critic-optim-tp{t}-pp{p}-dp{d}.safetensors`).
 
     batch, advantages, gap = self.off_policy(batch, advantages)   # the ratio against the trainer's own weights
 """

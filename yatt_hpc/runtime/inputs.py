@@ -94,12 +94,9 @@ def check_lora_targets(cfg: RunConfig) -> None:
 
 def check_critic(cfg: RunConfig) -> None:
     """`train.adv_estimator: gae`: the value model's directory, a text model reading the policy's tokens (the same
-    vocabulary size), on one pipeline stage, with synchronous steps (docs/critic.md)."""
+    vocabulary size, and with pipeline stages a layer count they divide), with synchronous steps (docs/critic.md)."""
     if cfg.train.adv_estimator != "gae":
         return
-    if cfg.placement.trainer.pp > 1:
-        raise InputError(f"train.adv_estimator=gae with placement.trainer.pp={cfg.placement.trainer.pp}: the value "
-                         "model has no pipeline schedule; set placement.trainer.pp=1 (use tp and dp)")
     if cfg.rollout.max_staleness:
         raise InputError(f"train.adv_estimator=gae with rollout.max_staleness={cfg.rollout.max_staleness}: the "
                          "critic's values and update run in the synchronous step only; set rollout.max_staleness=0")
@@ -110,8 +107,12 @@ def check_critic(cfg: RunConfig) -> None:
     if cfg.train.critic.path is None:
         return
     check_model_dir(cfg.train.critic.path, "train.critic.path")
-    critic_path = Path(cfg.train.critic.path) / "config.json"
-    critic = json.loads(critic_path.read_text())
+    critic = json.loads((Path(cfg.train.critic.path) / "config.json").read_text())
+    layers, pp = critic.get("num_hidden_layers", critic.get("n_layer")), cfg.placement.trainer.pp
+    if layers is not None and int(layers) % pp:
+        raise InputError(f"train.critic.path={cfg.train.critic.path!r} has {layers} transformer layers, which "
+                         f"placement.trainer.pp={pp} pipeline stages do not split evenly; use a critic whose layer "
+                         "count pp divides")
     vocab = ((policy.get("text_config") or policy).get("vocab_size"), critic.get("vocab_size"))
     if vocab[0] != vocab[1]:
         raise InputError(f"train.critic.path={cfg.train.critic.path!r} has vocab_size={vocab[1]} but the policy "
