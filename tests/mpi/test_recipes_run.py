@@ -39,6 +39,7 @@ FAMILIES = {
     "reinforce_plus_plus_baseline": ["train.adv_estimator=reinforce_plus_plus_baseline"],
     "gspo": ["train.loss_mode=gspo"],
     "cispo": ["train.loss_mode=cispo"],
+    "ppo_gae": ["train.adv_estimator=gae", "train.critic.lr=1e-3", "train.critic.warmup_steps=3"],  # docs/critic.md
 }
 IN_CI = ("dr_grpo", "cispo")  # another estimator+aggregation and another loss; the rest in `make test-faults`
 # (the default grpo learns in every demo run: tests/mpi/test_grpo_run.py)

@@ -35,6 +35,9 @@ RECIPE_RUN = "tests/mpi/test_recipes_run.py"  # runs of each recipe family, and 
 RECOMPUTE = "tests/unit/test_recompute.py"  # activation recomputation: bytes kept, gradients, refusals
 TRACKERS = "tests/unit/test_trackers.py"  # trackers: W&B and MLflow given names and stores, refusals
 TRACKERS_RUN = "tests/mpi/test_trackers_run.py"  # trackers read back after real runs, stopped and resumed
+CRITIC = "tests/unit/test_critic.py"  # the value model: its start, head, clip, optimizer, refusals
+OPTIM = f"{CRITIC}::test_the_critics_optimizer_takes_its_own_settings_and_lr_is_adams_first_step"
+GAE = "tests/unit/test_gae.py"  # GAE, the critic's schedule and its refusals
 LORA = "tests/unit/test_lora.py"  # train.lora: adapters, their maths and peft's, refusals
 AGENT = "tests/unit/test_agent_loop.py"  # agent: the multi-turn loop built from AgentConfig
 AGENT_TOOLS = "tests/unit/test_agent_tools.py::test_refused_agent_settings_name_the_field_and_the_fix"
@@ -74,6 +77,22 @@ EFFECT: dict[str, str] = {
     "rollout.max_staleness": "tests/mpi/test_async_run.py::test_an_asynchronous_run_resumes_bitwise",
     "rollout.partial_rollouts": "tests/mpi/test_async_run.py::test_an_asynchronous_run_resumes_bitwise",
     "rollout.partial_segment_tokens": "tests/mpi/test_async_run.py::test_an_asynchronous_run_resumes_bitwise",
+    # ---------------------------------------------------------------- train.critic (docs/critic.md)
+    "train.critic.path": f"{CRITIC}::test_a_one_label_reward_model_gives_the_critic_its_decoder_and_head",
+    "train.critic.head_init_std": f"{CRITIC}::test_a_new_head_is_drawn_with_head_init_std_and_zero_starts_at_zero",
+    "train.critic.lam": f"{GAE}::test_the_train_config_chooses_gamma_lambda_and_whitening",
+    "train.critic.whiten_advantages": f"{GAE}::test_the_train_config_chooses_gamma_lambda_and_whitening",
+    "train.critic.value_clip": f"{CRITIC}::test_value_clip_holds_the_loss_around_the_old_values",
+    "train.critic.warmup_steps": "tests/mpi/test_critic_run.py::test_ppo_with_a_critic_learns_the_demo_and_resumes_bitwise",
+    "train.critic.lr": f"{GAE}::test_the_critics_learning_rate_follows_its_own_schedule",
+    "train.critic.lr_warmup_steps": f"{GAE}::test_the_critics_learning_rate_follows_its_own_schedule",
+    "train.critic.lr_decay": f"{GAE}::test_the_critics_learning_rate_follows_its_own_schedule",
+    "train.critic.lr_decay_steps": f"{GAE}::test_the_critics_learning_rate_follows_its_own_schedule",
+    "train.critic.min_lr": f"{GAE}::test_the_critics_learning_rate_follows_its_own_schedule",
+    "train.critic.adam_betas": OPTIM,
+    "train.critic.adam_eps": OPTIM,
+    "train.critic.weight_decay": OPTIM,
+    "train.critic.grad_clip": OPTIM,
     "train.off_policy.proximal": "tests/mpi/test_off_policy_run.py::test_the_ratio_is_taken_against_the_trainers_own_weights",
     "train.off_policy.correction": "tests/mpi/test_off_policy_run.py::test_bf16_engines_are_corrected_and_measured",
     "train.off_policy.cap": "tests/mpi/test_off_policy_run.py::test_the_ratio_is_taken_against_the_trainers_own_weights",
@@ -306,6 +325,13 @@ REFUSED: dict[str, str] = {
     "train.lora.dropout": f"{LORA}::test_lora_settings_that_cannot_act_are_refused_at_load",
     "train.lora.target_modules": f"{LORA}::test_lora_modules_the_model_does_not_have_are_refused_before_launch",
     "train.recompute": f"{RECOMPUTE}::test_recompute_settings_that_cannot_act_are_refused_at_load",
+    "train.critic.path": f"{CRITIC}::test_critic_settings_the_run_cannot_take_are_refused_before_launch",
+    "train.critic.lam": f"{GAE}::test_critic_settings_that_cannot_act_are_refused_at_load",
+    "train.critic.value_clip": f"{GAE}::test_critic_settings_that_cannot_act_are_refused_at_load",
+    "train.critic.min_lr": f"{GAE}::test_critic_settings_that_cannot_act_are_refused_at_load",
+    "train.critic.lr_decay_steps": f"{GAE}::test_critic_settings_that_cannot_act_are_refused_at_load",
+    "train.critic.adam_betas": f"{GAE}::test_critic_settings_that_cannot_act_are_refused_at_load",
+    "train.critic.warmup_steps": f"{GAE}::test_critic_settings_that_cannot_act_are_refused_at_load",
     "rollout.max_staleness": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
     "rollout.partial_rollouts": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
     "rollout.partial_segment_tokens": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",

@@ -16,8 +16,8 @@ ALLOWED = {
     "comm": {"sched", "placement", "batch", "metrics.activity", "device"},
     "roles": {"algos", "comm", "sched", "batch", "metrics.activity", "ckpt", "config", "data", "errors", "placement", "reward",
               "rollout", "train", "runtime", "vision", "models", "lora",
-              "agent"},  # runtime: RankStats, the per-rank stats it reports to
-    "runtime": {"roles", "comm", "sched", "batch", "metrics", "ckpt", "config", "data", "errors", "launch",
+              "agent", "critic"},  # runtime: RankStats, the per-rank stats it reports to
+    "runtime": {"roles", "comm", "sched", "batch", "metrics", "ckpt", "config", "data", "errors", "launch", "algos",
                 "placement"},
     "demo": set(),
     # multi-turn rollouts: the loop drives a rollout/ engine, renders tool turns with the data/ tokenizer
@@ -26,6 +26,8 @@ ALLOWED = {
     "train": {"algos", "metrics.activity", "ckpt.optim", "batch", "config", "device", "vision", "models", "optim",
               "lora.layers"},  # the policy attaches adapters
     "optim": set(),  # the optimizer: torch only
+    # the value model: a GPTModel of train/ with a scalar head, trained with the policy's optimizer machinery
+    "critic": {"algos", "batch", "config", "metrics.activity", "models", "train"},
     # LoRA's adapters sit on the Megatron model and move between layouts through the converter's splits
     "lora": {"config", "train.convert", "train.hf_arch", "train.mcore"},
     "algos": set(),  # the formulas: a leaf, and no process group in it (test below)

@@ -285,7 +285,7 @@ def test_overlong_buffer_penalises_responses_near_the_cap(factor):
 
 
 @pytest.mark.parametrize("sets, words", [
-    (["train.adv_estimator=gae"], ["train.adv_estimator=gae", "critic"]),
+    (["train.adv_estimator=gae", "train.lora.rank=8"], ["train.adv_estimator=gae", "train.lora.rank=8", "value model"]),
     (["train.loss_mode=gspo", "train.loss_agg_mode=token-mean"], ["gspo", "seq-mean-token-mean"]),
     (["train.loss_mode=cispo", "train.clip_ratio_c=3"], ["train.clip_ratio_c=3", "drop"]),
     (["train.adv_estimator=rloo", "train.adv_std=population"], ["train.adv_std=population", "grpo"]),

@@ -1,6 +1,7 @@
 """The RL formulas, one per function, each named after the paper and the peer option it equals.
 
     advantages.py   grpo (Dr.GRPO without the std), rloo, reinforce_plus_plus(_baseline), batch whitening
+    gae.py          PPO's GAE on a critic's values, the clipped value loss, explained variance
     policy_loss.py  per-token losses: the clipped ratio (dual-clip), GSPO, CISPO
     aggregate.py    token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm
     kl.py           k1, k2, k3, k3+ and the adaptive KL controller

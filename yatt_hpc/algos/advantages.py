@@ -129,7 +129,7 @@ def estimate(name: str, rewards: np.ndarray, group_ids: np.ndarray, response_len
              token_penalties: Sequence[np.ndarray] | None = None, eps: float = 1e-6, norm_by_std: bool = True,
              std: str = "sample", gamma: float = 1.0,
              reduce: Callable[[np.ndarray], np.ndarray] = _identity) -> Advantages:
-    """The advantages of `name` (an entry of ESTIMATORS but gae, which needs a critic).
+    """The advantages of `name` (an entry of ESTIMATORS but gae, which takes the critic's values: `algos/gae.py`).
 
     reinforce_plus_plus (Hu 2025, REINFORCE++): per-token returns of the reward on the last token (less the
     token penalties), discounted by `gamma`, whitened over the global batch (verl `reinforce_plus_plus`,
@@ -140,7 +140,7 @@ def estimate(name: str, rewards: np.ndarray, group_ids: np.ndarray, response_len
     penalties = [np.zeros(n) for n in lens] if token_penalties is None else \
         [np.asarray(p, np.float64) for p in token_penalties]
     if name == "gae":
-        raise ValueError("adv_estimator=gae needs a value model (a critic), which this trainer does not have")
+        raise ValueError("adv_estimator=gae needs the critic's values: it is algos/gae.estimate_gae, not this function")
     if name == "reinforce_plus_plus":
         returns = []
         for r, n, pen in zip(rewards, lens, penalties):

@@ -100,13 +100,15 @@ LOST_WARN = 0.01
               help="Original HF model directory (default: model.path of the saved config).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Tensor dtype to write (default: the checkpoint's, float32); config.json says the same.")
-def export_cmd(run_dir: Path, step: int, out: Path, model_dir: Path | None, dtype: str | None) -> None:
+@click.option("--critic", is_flag=True, default=False,
+              help="Export the value model (a train.adv_estimator=gae run's) as a *ForTokenClassification, 1 label.")
+def export_cmd(run_dir: Path, step: int, out: Path, model_dir: Path | None, dtype: str | None, critic: bool) -> None:
     """Merge the tensor-parallel shards of one checkpoint into a Hugging Face model directory (a LoRA run's
-    adapters merged into its base model)."""
-    from yatt_hpc.ckpt.export_hf import export_hf
+    adapters merged into its base model; with --critic, the value model)."""
+    from yatt_hpc.ckpt.export_hf import export_critic, export_hf
 
     try:
-        done = export_hf(run_dir, step, out, model_dir, dtype)
+        done = (export_critic if critic else export_hf)(run_dir, step, out, model_dir, dtype)
     except CheckpointError as err:
         raise CkptUserError(str(err)) from None
     if done.lost_in_cast is not None and done.lost_in_cast >= LOST_WARN:

@@ -61,6 +61,11 @@ def rank_files(inc: Path, snap: RankState) -> dict[str, TensorFile]:
     if snap.optim is not None:
         files["optim"] = (layout.optim_file(c.get("tp", 0), c.get("pp", 0), c.get("dp", 0)), snap.optim,
                           snap.optim_meta)
+    if snap.critic is not None:
+        files["critic"] = (layout.critic_file(c.get("tp", 0), c.get("pp", 0)), snap.critic, {})
+    if snap.critic_optim is not None:
+        files["critic_optim"] = (layout.critic_optim_file(c.get("tp", 0), c.get("pp", 0), c.get("dp", 0)),
+                                 snap.critic_optim, snap.critic_optim_meta)
     # One metadata key, its JSON sorted: identical saves are identical bytes.
     return {slot: TensorFile(inc / name, tensors, {layout.METADATA_KEY: json.dumps(
         {"identity": snap.identity, **meta}, sort_keys=True)}) for slot, (name, tensors, meta) in files.items()}

@@ -106,6 +106,51 @@ def export_hf(run_dir: str | Path, step: int, out: str | Path, model_dir: str | 
     return Export(out, target, lost)
 
 
+def export_critic(run_dir: str | Path, step: int, out: str | Path, model_dir: str | Path | None = None,
+                  dtype: str | None = None) -> Export:
+    """A `train.adv_estimator: gae` run's value model as a transformers `*ForTokenClassification` with one label
+    (`critic/model.py`): ``AutoModelForTokenClassification.from_pretrained(out)`` gives V_t as ``logits[..., 0]``.
+    Config and tokenizer files come from the critic's start directory (`train.critic.path`, else `model.path`)."""
+    from yatt_hpc.critic.model import to_token_classification, token_classification_config
+
+    step_dir, src, hf_config, _ = _open_step(run_dir, step, model_dir or _critic_dir(run_dir, step))
+    if not any(step_dir.glob("critic-tp*-pp*.safetensors")):
+        raise CheckpointError(f"checkpoint step {step} at {step_dir} holds no value model (its run had no "
+                              "train.adv_estimator=gae); export the policy without --critic")
+    stages = [[load_file(str(step_dir / layout.critic_file(tp, pp))) for tp, _ in stage]
+              for pp, stage in enumerate(_shard_grid(step_dir))]
+    hf_sd = to_token_classification(stages, hf_config)
+    target = dtype or _float_dtype(hf_sd)
+    hf_sd = {k: v.to(DTYPES[target]).contiguous() if v.is_floating_point() else v for k, v in hf_sd.items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(hf_sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for item in sorted(src.iterdir()):
+        if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name not in ("config.json",
+                                                                                           "generation_config.json"):
+            shutil.copy2(item, out / item.name)
+    config = token_classification_config(json.loads((src / "config.json").read_text()))
+    (out / "config.json").write_text(json.dumps(_with_dtype(config, target), indent=2, sort_keys=True) + "\n")
+    return Export(out, target, None)
+
+
+def _shard_grid(step_dir: Path) -> list[list[tuple[int, int]]]:
+    """(tp, pp) of every parameter shard as ``[pp][tp]`` (the critic has the policy's layout)."""
+    return [[(int(p.name.split("-tp")[1].split("-")[0]), pp) for p in stage]
+            for pp, stage in enumerate(_ordered_shards(step_dir))]
+
+
+def _critic_dir(run_dir: str | Path, step: int) -> Path:
+    """The directory the critic started from: `train.critic.path` of the saved config, else `model.path`."""
+    step_dir = layout.step_dir(layout.resolve_checkpoints_dir(run_dir), step)
+    if not (step_dir / layout.STATE_FILE).is_file():
+        raise CheckpointError(f"no checkpoint step {step} at {step_dir}")
+    _, shared = read_shared(step_dir / layout.STATE_FILE)
+    train = (yaml.safe_load(shared.config_yaml) or {}).get("train") or {}
+    path = (train.get("critic") or {}).get("path")
+    return Path(path) if path else _model_dir_from_config(shared.config_yaml, step_dir)
+
+
 def export_peft(run_dir: str | Path, step: int, out: str | Path, model_dir: str | Path | None = None) -> Path:
     """Write a LoRA checkpoint's adapters as ``out/adapter_config.json`` + ``out/adapter_model.safetensors``."""
     from yatt_hpc.lora.peft import adapter_config, megatron_to_peft, save_peft

@@ -8,7 +8,8 @@
 
 A checkpoint is ``step-N/`` holding one safetensors file per trainer shard for parameters
 (``model-tp{t}-pp{p}``, written by the shard's dp-rank-0), one per rank for optimizer state
-(``optim-tp{t}-pp{p}-dp{d}``), ``state.h5`` (everything else plus the manifest) and the commit
+(``optim-tp{t}-pp{p}-dp{d}``), with a critic its own two (``critic-tp{t}-pp{p}``,
+``critic-optim-tp{t}-pp{p}-dp{d}``), ``state.h5`` (everything else plus the manifest) and the commit
 marker ``COMMITTED``, written last. ``step-N.incomplete/`` is a save in progress or a crashed one.
 """
 from __future__ import annotations
@@ -60,6 +61,15 @@ def model_file(tp: int, pp: int) -> str:
 
 def optim_file(tp: int, pp: int, dp: int) -> str:
     return f"optim-tp{tp}-pp{pp}-dp{dp}.safetensors"
+
+
+def critic_file(tp: int, pp: int) -> str:
+    """The value model's parameters of shard (tp, pp) (`train.adv_estimator: gae`)."""
+    return f"critic-tp{tp}-pp{pp}.safetensors"
+
+
+def critic_optim_file(tp: int, pp: int, dp: int) -> str:
+    return f"critic-{optim_file(tp, pp, dp)}"
 
 
 def model_shards(path: Path) -> dict[tuple[int, int], Path]:

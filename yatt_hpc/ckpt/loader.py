@@ -40,6 +40,9 @@ class Restored:
     model: StateDict = field(default_factory=dict)
     optim: StateDict = field(default_factory=dict)
     optim_meta: dict[str, str] = field(default_factory=dict)
+    critic: StateDict = field(default_factory=dict)  # the value model's, when the run had one
+    critic_optim: StateDict = field(default_factory=dict)
+    critic_optim_meta: dict[str, str] = field(default_factory=dict)
     rng: RngState | None = None
     data_position: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -78,10 +81,11 @@ def find_latest(ckpt_dir: Path, quarantine: bool = False) -> tuple[int | None, l
     return None, skipped
 
 
-def read_weights(step_dir: Path, tp: int = 0, pp: int = 0) -> StateDict:
-    path = step_dir / layout.model_file(tp, pp)
+def read_weights(step_dir: Path, tp: int = 0, pp: int = 0, prefix: str = "model") -> StateDict:
+    """The parameters of shard (tp, pp): the policy's (`prefix` "model") or the critic's ("critic")."""
+    path = step_dir / f"{prefix}-tp{tp}-pp{pp}.safetensors"
     if not path.is_file():
-        have = sorted(p.name for p in step_dir.glob("model-*.safetensors"))
+        have = sorted(p.name for p in step_dir.glob(f"{prefix}-*.safetensors"))
         raise CheckpointError(f"{step_dir} has no parameters for tp={tp} pp={pp} ({path.name}); "
                               f"it has {have}: was it saved with another parallel layout?")
     from safetensors.torch import load_file
@@ -114,6 +118,10 @@ def read_rank(step_dir: Path, identity: str) -> Restored:
                    saved_world_rank=rec.world_rank, step_dir=step_dir, trainers=trainers)
     if "tp" in rec.coords:  # a trainer shard: its parameters come from that shard's dp-rank-0 file
         out.model = read_weights(step_dir, rec.coords.get("tp", 0), rec.coords.get("pp", 0))
+    tp, pp = rec.coords.get("tp", 0), rec.coords.get("pp", 0)
+    if "tp" in rec.coords and (step_dir / layout.critic_file(tp, pp)).is_file():  # the value model, like the policy
+        out.critic = read_weights(step_dir, tp, pp, prefix="critic")
+        out.critic_optim, out.critic_optim_meta = read_optimizer(step_dir, tp, pp, prefix="critic-optim")
     for name in rec.files:
         if name.startswith("optim-"):
             out.optim, out.optim_meta = _read_safetensors(step_dir / name)
@@ -122,12 +130,12 @@ def read_rank(step_dir: Path, identity: str) -> Restored:
     return out
 
 
-def read_optimizer(step_dir: Path, tp: int = 0, pp: int = 0) -> tuple[StateDict, dict[str, str]]:
+def read_optimizer(step_dir: Path, tp: int = 0, pp: int = 0, prefix: str = "optim") -> tuple[StateDict, dict[str, str]]:
     """The whole-parameter optimizer state of tensor shard (tp, pp): its DP ranks' files put together
     (`ckpt/optim.py::assemble_state`); an unsharded run's dp-rank-0 file as it is."""
     from yatt_hpc.ckpt.optim import assemble_state
 
-    names = sorted(step_dir.glob(f"optim-tp{tp}-pp{pp}-dp*.safetensors"), key=lambda p: int(p.stem.rpartition("dp")[2]))
+    names = sorted(step_dir.glob(f"{prefix}-tp{tp}-pp{pp}-dp*.safetensors"), key=lambda p: int(p.stem.rpartition("dp")[2]))
     if not names:
         raise CheckpointError(f"{step_dir} has no optimizer state for tp={tp} pp={pp}: was it saved with "
                               "another parallel layout?")

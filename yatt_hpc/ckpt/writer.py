@@ -54,6 +54,10 @@ class RankState:
     model: StateDict | None = None
     optim: StateDict | None = None
     optim_meta: dict[str, str] = field(default_factory=dict)
+    critic: StateDict | None = None
+    """The value model's parameters (`train.adv_estimator: gae`), like ``model``; its optimizer like ``optim``."""
+    critic_optim: StateDict | None = None
+    critic_optim_meta: dict[str, str] = field(default_factory=dict)
     rng: RngState | None = None
     data_position: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -220,6 +224,8 @@ def snapshot(state: RankState, staging: Staging | None) -> RankState:
 
     return replace(state, coords=dict(state.coords), model=tensors("model", state.model),
                    optim=tensors("optim", state.optim), optim_meta=dict(state.optim_meta),
+                   critic=tensors("critic", state.critic), critic_optim=tensors("critic_optim", state.critic_optim),
+                   critic_optim_meta=dict(state.critic_optim_meta),
                    rng=copy.deepcopy(state.rng), data_position=_copy_tree(state.data_position),
                    extra=_copy_tree(state.extra))
 

@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from yatt_hpc.config.agent import AgentConfig, check_agent_fits
 from yatt_hpc.config.cluster import HealthConfig, SlurmConfig
+from yatt_hpc.config.critic import CriticConfig, critic_problem
 from yatt_hpc.config.lora import LoraConfig
 from yatt_hpc.config.off_policy import OffPolicyConfig
 from yatt_hpc.config.placement import PlacementConfig
@@ -144,8 +145,8 @@ class TrainConfig(Section):
     adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"] = "grpo"
     """How rewards become advantages (`yatt_hpc/algos/advantages.py`): `grpo` (group mean and std; Dr.GRPO with
     `norm_adv_by_std: false`), `rloo` (leave-one-out group baseline), `reinforce_plus_plus` (batch-whitened
-    returns), `reinforce_plus_plus_baseline` (group mean removed, then batch-whitened). A group of one sample,
-    or of equal rewards, gets advantage 0 under every group estimator. `gae` needs a critic and is refused."""
+    returns), `reinforce_plus_plus_baseline` (group mean removed, then batch-whitened), `gae` (PPO: a value model,
+    `train.critic`). A group of one sample, or of equal rewards, gets advantage 0 under every group estimator."""
     norm_adv_by_std: bool = True
     """`grpo` only: divide by the group's reward std; false is Dr.GRPO (verl `norm_adv_by_std_in_grpo`)."""
     adv_std: Literal["sample", "population"] = "sample"
@@ -153,7 +154,7 @@ class TrainConfig(Section):
     adv_eps: float = Field(1e-6, gt=0)
     """`grpo` with `norm_adv_by_std` only: added to the group std (outside the square root)."""
     gamma: float = Field(1.0, gt=0, le=1)
-    """`reinforce_plus_plus` only: the discount of its per-token returns."""
+    """`reinforce_plus_plus` and `gae` only: the discount of their per-token returns."""
     loss_mode: Literal["vanilla", "gspo", "cispo"] = "vanilla"
     """The per-token policy loss (`yatt_hpc/algos/policy_loss.py`): `vanilla` (PPO's clipped ratio, with
     clip-higher and the optional dual clip), `gspo` (the sequence-level ratio, clipped per sequence), `cispo`
@@ -248,11 +249,12 @@ class TrainConfig(Section):
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
     """The ratio's old policy and the engine/trainer importance-weight correction (`config/off_policy.py`)."""
     train_vision_tower: bool = False
-    """Vision-language policies (Qwen2-VL): train the vision tower too (it is then in the optimizer, the
-    data-parallel all-reduce and the weight sync); false keeps it frozen at the checkpoint's weights and
-    syncs only the language model. True with a text-only model is refused."""
+    """Vision-language policies (Qwen2-VL): train the vision tower too (it is then in the optimizer, the data-parallel
+    all-reduce and the weight sync); false keeps it frozen and syncs only the language model. Refused for text."""
     lora: LoraConfig = LoraConfig()
     """LoRA adapters instead of training every parameter (`config/lora.py`, docs/lora.md)."""
+    critic: CriticConfig = CriticConfig()
+    """PPO's value model and its GAE settings, for `adv_estimator: gae` (`config/critic.py`, docs/critic.md)."""
 
     @property
     def agg_mode(self) -> str:
@@ -262,9 +264,8 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _recipe_fields_agree(self) -> TrainConfig:
         default = TrainConfig.model_fields
-        if self.adv_estimator == "gae":
-            raise ValueError("train.adv_estimator=gae needs a value model (a critic), which this trainer does not "
-                             "have yet; use grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline")
+        if critic_problem(self):  # train.critic with adv_estimator gae, and nowhere else (config/critic.py)
+            raise ValueError(critic_problem(self))
         grpo_fields = [f for f in ("norm_adv_by_std", "adv_std", "adv_eps") if getattr(self, f) != default[f].default]
         if grpo_fields and self.adv_estimator != "grpo":
             raise ValueError(f"train.{grpo_fields[0]}={getattr(self, grpo_fields[0])} only shapes the grpo estimator, "
@@ -273,8 +274,8 @@ class TrainConfig(Section):
             if f in grpo_fields and not self.norm_adv_by_std:
                 raise ValueError(f"train.{f}={getattr(self, f)} shapes the division by the group std, which "
                                  "train.norm_adv_by_std=false (Dr.GRPO) turns off; drop train." + f)
-        if self.gamma != 1.0 and self.adv_estimator != "reinforce_plus_plus":
-            raise ValueError(f"train.gamma={self.gamma:g} discounts reinforce_plus_plus's per-token returns only, but "
+        if self.gamma != 1.0 and self.adv_estimator not in ("reinforce_plus_plus", "gae"):
+            raise ValueError(f"train.gamma={self.gamma:g} discounts per-token returns (reinforce_plus_plus, gae), but "
                              f"train.adv_estimator={self.adv_estimator}; drop train.gamma")
         if self.loss_mode == "gspo" and self.agg_mode != "seq-mean-token-mean":
             raise ValueError(f"train.loss_mode=gspo with train.loss_agg_mode={self.loss_agg_mode}: GSPO's objective "
@@ -313,9 +314,8 @@ class TrainConfig(Section):
             raise ValueError(f"train.lora.rank={self.lora.rank} with train.train_vision_tower=true: LoRA is mapped for "
                              "the language model only; set train.lora.rank=0 to train the tower too, or drop "
                              "train.train_vision_tower")
-        for name, beta in zip(("beta1", "beta2"), self.adam_betas):
-            if not 0 <= beta < 1:
-                raise ValueError(f"train.adam_betas {name}={beta:g} must lie in [0, 1)")
+        for name, beta in ((n, b) for n, b in zip(("beta1", "beta2"), self.adam_betas) if not 0 <= b < 1):
+            raise ValueError(f"train.adam_betas {name}={beta:g} must lie in [0, 1)")
         return self
 
 

@@ -79,6 +79,24 @@ def trainer_state_text(p: Plan, cfg: RunConfig) -> str:
     return f"trainer rank state (bytes, P = parameters): weights {weights}P/{mp}, {grads}{ref}, {held}"
 
 
+def critic_text(p: Plan, cfg: RunConfig) -> str | None:
+    """The value model each trainer rank holds with `train.adv_estimator: gae` (None without a critic): Pc its
+    parameters (the policy's P when it starts from model.path), in the policy's layout and dtype."""
+    if cfg.train.adv_estimator != "gae":
+        return None
+    g = p.group("trainer")
+    mp, dp = g.size("tp") * g.size("pp"), g.size("dp")
+    bf16 = cfg.model.dtype == "bfloat16"
+    weights, optim = (2, 12) if bf16 else (4, 8)
+    shard = cfg.train.shard_optimizer and dp > 1
+    source = f"train.critic.path={cfg.train.critic.path}" if cfg.train.critic.path else "model.path (Pc = P)"
+    turns = ("; it takes the devices in turn with the policy (resumed for the values before the policy's update, "
+             "again for its own update after it, released in between)" if p.mode == "colocate" else "")
+    return (f"critic (train.adv_estimator=gae) on every trainer rank, from {source}: weights {weights}Pc/{mp}, "
+            f"gradients {weights}Pc/{mp}, AdamW {optim}Pc/{mp * dp if shard else mp}"
+            f"{' (sharded over dp)' if shard else ''}; one scalar head of hidden + 1 parameters{turns}")
+
+
 def pipeline_text(p: Plan) -> str | None:
     """The trainer's pipeline stages and what each holds (None without pipeline parallelism)."""
     g = p.group("trainer")
@@ -105,7 +123,7 @@ def weight_sync_text(p: Plan, cfg: RunConfig) -> str:
 def print_plan(p: Plan, run_dir: str, console: Console, python: str = "python3", cfg: RunConfig | None = None) -> None:
     console.print(plan_table(p))
     console.print("leader (decisions only): world rank 0 = trainer rank 0")
-    lines = [*what_runs(cfg), trainer_state_text(p, cfg), pipeline_text(p), weight_sync_text(p, cfg)] \
+    lines = [*what_runs(cfg), trainer_state_text(p, cfg), critic_text(p, cfg), pipeline_text(p), weight_sync_text(p, cfg)] \
         if cfg is not None else []
     for line in filter(None, lines):
         console.print(line, markup=False, highlight=False)

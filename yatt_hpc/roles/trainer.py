@@ -37,7 +37,6 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from yatt_hpc.algos.off_policy import importance_weights
 from yatt_hpc.batch import SampleBatch, image_columns
 from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
 from yatt_hpc.ckpt.loader import Shards, reshard_optimizer, reshard_weights
@@ -58,19 +57,20 @@ from yatt_hpc.roles.base import BaseController, group_rendezvous, prompt_tools, 
 from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.roles.samples import TermLabels, sample_rows, samples_due
+from yatt_hpc.roles.update_steps import UpdateSteps
 from yatt_hpc.roles.validation import HeldOut
 from yatt_hpc.runtime.rank_stats import RankStats
 from yatt_hpc.sched.balance import balance_coeff
 from yatt_hpc.sched.dynamic_sampling import DynamicSampler, has_signal
 from yatt_hpc.sched.overdispatch import PromptQueue, dispatch_count, relayout_positions
 from yatt_hpc.sched.routing import Routes
-from yatt_hpc.train.step_plan import kl_controller, masked_behavior, plan_update, reward_kl, step_advantages, step_lr
+from yatt_hpc.train.step_plan import kl_controller, plan_update, reward_kl, step_lr
 from yatt_hpc.vision.processor import ImageProcessor, is_vision_model
 
 log = logging.getLogger(__name__)
 
 
-class TrainerController(AsyncSteps, BaseController):
+class TrainerController(UpdateSteps, AsyncSteps, BaseController):
     def __init__(self, world, cfg: RunConfig, run_dir: Path, stats: RankStats, protocol: StepProtocol):
         from yatt_hpc.train import megatron_model
         from yatt_hpc.train.policy import MegatronPolicy
@@ -127,6 +127,7 @@ class TrainerController(AsyncSteps, BaseController):
         self.colocate = world.plan.mode == "colocate"
         if self.colocate:
             self.policy.release_memory()  # rollout and GenRM take the devices first each step
+        self.build_critic(tp)  # train.adv_estimator=gae: the value model, on these ranks (roles/update_steps.py)
         log.info("trainer dp=%d tp=%d pp=%d owner=%s ready; update forward: %s", self.dp_rank, self.tp_rank,
                  self.pp_rank, self.is_owner, self.policy.layout_note)
 
@@ -142,11 +143,13 @@ class TrainerController(AsyncSteps, BaseController):
         batch = bcast_batch(self.replica_comm, batch, root=0)
         if not self.is_owner:
             self.stats.hold(len(batch))
+        values = self.critic_values(batch)                  # a critic's turn on the devices (gae)
         with holding_devices(self.stats, self.policy, self.colocate):   # rollout and GenRM had them
             with self.stats.phase("train"):
-                update = self.train_on(batch, step)
+                update = self.train_on(batch, step, values)
             with self.stats.phase("weight_sync"):
                 self.sync_weights()
+        self.critic_update(batch, step)                     # and its second: the value loss
         self.report(batch, update)
         if self.is_owner and samples_due(self.cfg, step + 1):
             self.add_samples(batch, step + 1, "train", lambda pid: self.source.row_at(pid)["image_names"])
@@ -158,14 +161,15 @@ class TrainerController(AsyncSteps, BaseController):
                                           replica=self.dp_rank, count=self.cfg.logging.samples_per_replica,
                                           image_names=image_names)
 
-    def train_on(self, batch: SampleBatch, step: int):
-        """Advantages, the mini-batch plan, this step's learning rate, the update; then the KL controller."""
+    def train_on(self, batch: SampleBatch, step: int, critic_values=None):
+        """Advantages (GAE on `critic_values` with a critic), the mini-batch plan, this step's learning rate, the
+        update (none in the critic's warm-up); then the KL controller."""
         tc = self.cfg.train
         penalties, kl_seen = None, np.zeros(2)
         if tc.kl_in_reward:  # r_t -= beta kl_t, kl of the sampling policy (the rollout's logprobs) to the reference
             penalties, kl_sum = reward_kl(batch, self.policy.reference_logprobs(batch), tc, self.kl.coef)
             kl_seen = np.array([kl_sum, float(batch.response_mask.sum())])
-        adv = step_advantages(batch, tc, penalties, reduce=self.sum_over_replicas)
+        adv = self.advantages(batch, penalties, critic_values)
         plan = plan_update(batch, tc, self.cfg.rollout.max_new_tokens, gather=self.gather_over_replicas,
                            reduce=self.sum_over_replicas, kl_coef=0.0 if tc.kl_in_reward else self.kl.coef)
         lr = step_lr(step, tc)
@@ -173,7 +177,7 @@ class TrainerController(AsyncSteps, BaseController):
         values, gap = adv.values, None
         if tc.off_policy.proximal == "recompute":  # decoupled PPO: the ratio against the trainer's own weights
             batch, values, gap = self.off_policy(batch, values)
-        update = self.policy.update(batch, values, plan)
+        update = self.policy.update(batch, values, plan) if self.policy_trains(step) else self.warmup_stats()
         if gap is not None:  # the engine/trainer gap is the behavior/proximal one (the update's own is ~0)
             update.logp_diff_max = gap
         if not tc.kl_in_reward:
@@ -185,31 +189,10 @@ class TrainerController(AsyncSteps, BaseController):
             self.stats.add("kl_sum", float(kl_seen[0]))
             self.stats.add("kl_tokens", float(kl_seen[1]))
             self.stats.values["optimizer_steps"] = float(update.optimizer_steps)
-        if tc.kl_target is not None:
+        if tc.kl_target is not None and self.policy_trains(step):  # no KL seen in the critic's warm-up
             kl_sum, tokens, samples = self.sum_over_replicas(np.array([*kl_seen, len(batch)], np.float64))
             self.kl.update(kl_sum / max(tokens, 1.0), int(samples))
         return update
-
-    def off_policy(self, batch: SampleBatch, values) -> tuple[SampleBatch, list[np.ndarray], float]:
-        """The step's samples with the trainer's proximal log-probabilities in place of the engine's, their
-        advantages weighted by `train.off_policy.correction` (`algos/off_policy.py`), and the largest
-        |proximal - behavior| of this replica's tokens."""
-        op = self.cfg.train.off_policy
-        if isinstance(values, np.ndarray):
-            values = [np.full(n, a, np.float32) for a, n in zip(values, batch.response_len)]
-        proximal = self.policy.proximal_logprobs(batch)
-        behavior = masked_behavior(batch, proximal)  # tokens the model did not sample: weight 1
-        weights, stats = importance_weights(proximal, behavior, op.correction, op.cap, op.mask_low, op.mask_high)
-        if self.is_owner:
-            for key, value in zip(("is_tokens", "is_weight_sum", "is_weight_max", "is_truncated", "is_masked"),
-                                  stats.as_array()):
-                if key == "is_weight_max":
-                    self.stats.values[key] = float(value)
-                else:
-                    self.stats.add(key, float(value))
-        values = [a * w for a, w in zip(values, weights)]
-        flat = np.concatenate(proximal).astype(np.float32) if len(batch) else np.zeros(0, np.float32)
-        return batch.select(np.arange(len(batch)), logprobs=flat), values, stats.abs_log_ratio_max
 
     def sum_over_replicas(self, values: np.ndarray) -> np.ndarray:
         """`values` summed over the data-parallel replicas (each replica's owner contributes; every trainer
@@ -444,11 +427,13 @@ class TrainerController(AsyncSteps, BaseController):
             params = self.policy.checkpoint_tensors()
         optim, meta = self.policy.optimizer_state()
         return RankState(self.identity, {"dp": self.dp_rank, "tp": self.tp_rank, "pp": self.pp_rank}, model=params,
-                         optim=optim, optim_meta=meta, **(light if light is not None else self.light_state(step)))
+                         optim=optim, optim_meta=meta, **self.critic_state(),
+                         **(light if light is not None else self.light_state(step)))
 
     def watch_mutations(self, guard) -> None:
         """Parameters and optimizer state change only in optimizer.step(): announce it first."""
-        self.policy.optimizer.register_step_pre_hook(lambda *_: guard.enter_mutation())
+        for model in (self.policy, self.critic) if self.critic is not None else (self.policy,):
+            model.optimizer.register_step_pre_hook(lambda *_: guard.enter_mutation())
 
     def restore(self, restored) -> None:
         saved_lora = restored.trainers[0].extra.get("lora") if restored.trainers else None
@@ -460,6 +445,7 @@ class TrainerController(AsyncSteps, BaseController):
         if saved == now:
             self.policy.load_checkpoint_tensors(restored.model)
             self.policy.load_optimizer_state(restored.optim, restored.optim_meta)
+            self.restore_critic(restored)
             restore_rng(restored.rng)
             position, light = restored.data_position, restored
         else:
@@ -482,9 +468,10 @@ class TrainerController(AsyncSteps, BaseController):
         waiting = int(np.asarray(restored.data_position.get("pending_count", [0])).reshape(-1)[0]) \
             if restored.found else max(int(np.asarray(r.data_position.get("pending_count", [0])).reshape(-1)[0])
                                        for r in restored.trainers)
-        if waiting:
-            raise InputError(f"checkpoint step-{restored.step} of an asynchronous run holds batches generated ahead "
-                             "of their step, each on its replica; it resumes in the trainer layout it was written "
+        if waiting or self.critic is not None:  # the critic's shards are not resharded (roles/update_steps.py)
+            raise InputError(f"checkpoint step-{restored.step} of " + ("a run with a critic (train.adv_estimator=gae)"
+                             if self.critic is not None else "an asynchronous run (its batches generated ahead of "
+                             "their step wait on their replicas)") + " resumes in the trainer layout it was written "
                              f"with (dp={saved['dp']} tp={saved['tp']} pp={saved['pp']})")
         saved_shards, shard = Shards(saved["tp"], saved["pp"]), Shards(now["tp"], now["pp"])
         model = reshard_weights(restored.step_dir, self.policy.hf_config, saved_shards, self.tp_rank, self.pp_rank, shard)

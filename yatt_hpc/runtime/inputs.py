@@ -106,6 +106,34 @@ def check_agent_budget(cfg: RunConfig) -> None:
                          "lower one of them")
 
 
+def check_critic(cfg: RunConfig) -> None:
+    """`train.adv_estimator: gae`: the value model's directory, a text model reading the policy's tokens (the same
+    vocabulary size, and with pipeline stages a layer count they divide), with synchronous steps (docs/critic.md)."""
+    if cfg.train.adv_estimator != "gae":
+        return
+    if cfg.rollout.max_staleness:
+        raise InputError(f"train.adv_estimator=gae with rollout.max_staleness={cfg.rollout.max_staleness}: the "
+                         "critic's values and update run in the synchronous step only; set rollout.max_staleness=0")
+    _, path, policy = _policy_layers(cfg)
+    if "vision_config" in policy:
+        raise InputError(f"train.adv_estimator=gae with a vision-language policy ({path}): the value model reads "
+                         "text only; use a group estimator (grpo, rloo, ...) for this policy")
+    if cfg.train.critic.path is None:
+        return
+    check_model_dir(cfg.train.critic.path, "train.critic.path")
+    critic = json.loads((Path(cfg.train.critic.path) / "config.json").read_text())
+    layers, pp = critic.get("num_hidden_layers", critic.get("n_layer")), cfg.placement.trainer.pp
+    if layers is not None and int(layers) % pp:
+        raise InputError(f"train.critic.path={cfg.train.critic.path!r} has {layers} transformer layers, which "
+                         f"placement.trainer.pp={pp} pipeline stages do not split evenly; use a critic whose layer "
+                         "count pp divides")
+    vocab = ((policy.get("text_config") or policy).get("vocab_size"), critic.get("vocab_size"))
+    if vocab[0] != vocab[1]:
+        raise InputError(f"train.critic.path={cfg.train.critic.path!r} has vocab_size={vocab[1]} but the policy "
+                         f"({path}) has {vocab[0]}: the critic reads the policy's token ids; use a critic with the "
+                         "policy's tokenizer")
+
+
 def check_model_dirs(cfg: RunConfig) -> None:
     check_model_dir(cfg.model.path, "model.path")
     check_model_arch(cfg)
@@ -113,5 +141,6 @@ def check_model_dirs(cfg: RunConfig) -> None:
     check_recompute_layers(cfg)
     check_lora_targets(cfg)
     check_agent_budget(cfg)
+    check_critic(cfg)
     if cfg.reward.mode != "rule_only":
         check_model_dir(cfg.reward.genrm_path, "reward.genrm_path")

@@ -50,6 +50,7 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         "train/micro_batch_tokens_max": _max_value(reports, "micro_batch_tokens_max", default=0.0),
         **_off_policy(reports),
         **_partial(reports),
+        **_critic(reports),
         "async/staleness": _max_value(reports, "staleness", default=0.0),
         "rollout/response_len_mean": response_tokens / samples,
         "time/step": step_seconds,
@@ -143,6 +144,25 @@ def _partial(reports: list[dict]) -> dict[str, float]:
             "partial/version_span_mean": _sum(reports, "partial_span_sum") / max(_sum(reports, "partial_span_samples"), 1.0),
             "partial/version_span_max": _max_value(reports, "partial_span_max", default=0.0),
             "partial/token_age_max": _max_value(reports, "partial_token_age_max", default=0.0)}
+
+
+def _critic(reports: list[dict]) -> dict[str, float]:
+    """`critic/...`: the value model's loss (summed over the replicas' shares, as train/loss), the value mean, the
+    explained variance 1 - Var(R - V) / Var(R) and the value-clip fraction over the step's response tokens
+    (`algos/gae.py`; absent without a critic)."""
+    tokens = _sum(reports, "critic_tokens")
+    if not tokens:
+        return {}
+    from yatt_hpc.algos.gae import explained_variance  # torch: imported only in a run with a critic
+    sums = [_sum(reports, f"critic_{k}") for k in ("tokens", "value_sum", "ret_sum", "ret_sq", "err_sum", "err_sq")]
+    return {"critic/value_loss": _sum(reports, "critic_loss"),
+            "critic/value_mean": sums[1] / tokens,
+            "critic/return_mean": sums[2] / tokens,
+            "critic/explained_var": explained_variance(sums),
+            "critic/value_clip_frac": _sum(reports, "critic_clipped") / max(_sum(reports, "critic_loss_tokens"), 1.0),
+            "critic/grad_norm": _max_value(reports, "critic_grad_norm", default=0.0),
+            "critic/lr": _max_value(reports, "critic_lr", default=0.0),
+            "time/critic": _max_time(reports, "critic", "trainer")}
 
 
 def _term_means(reports: list[dict]) -> dict[str, float]:

@@ -8,7 +8,8 @@
     for micro in micro_batches(batch, plan.minibatches[j], cfg.train):   # one forward/backward each
 
 and the train config's other per-step choices, each read here from `cfg.train` (so a test of these
-functions shows each field's effect): `step_advantages`, `reward_kl`, `step_lr`, `kl_controller`.
+functions shows each field's effect): `step_advantages`, `step_gae` (with a critic), `reward_kl`, `step_lr`,
+`critic_lr`, `kl_controller`.
 
 A mini-batch is a set of whole prompt groups of the GLOBAL batch: the step's prompt ids over every
 data-parallel replica, sorted, cut into `train.mini_batches` nearly equal parts (`np.array_split`). So
@@ -43,6 +44,7 @@ import torch
 
 from yatt_hpc.algos.advantages import Advantages, estimate
 from yatt_hpc.algos.aggregate import Totals
+from yatt_hpc.algos.gae import GAE, estimate_gae
 from yatt_hpc.algos.kl import AdaptiveKL, kl_estimate
 from yatt_hpc.algos.schedule import learning_rate
 from yatt_hpc.batch import SampleBatch
@@ -99,6 +101,14 @@ def step_advantages(batch: SampleBatch, cfg, token_penalties: list[np.ndarray] |
                     std=cfg.adv_std, gamma=cfg.gamma, reduce=reduce)
 
 
+def step_gae(batch: SampleBatch, values: list[np.ndarray], cfg, token_penalties: list[np.ndarray] | None = None,
+             reduce: Callable[[np.ndarray], np.ndarray] = lambda values: values) -> GAE:
+    """`adv_estimator: gae`: GAE on the critic's `values` with `cfg.gamma`, `cfg.critic.lam` and
+    `cfg.critic.whiten_advantages` (`yatt_hpc/algos/gae.py`)."""
+    return estimate_gae(batch.reward, values, gamma=cfg.gamma, lam=cfg.critic.lam, token_penalties=token_penalties,
+                        whiten_advantages=cfg.critic.whiten_advantages, reduce=reduce)
+
+
 def reward_kl(batch: SampleBatch, ref_logprobs: list[np.ndarray], cfg, coef: float) -> tuple[list[np.ndarray], float]:
     """`train.kl_in_reward`: per sample, coef x the `cfg.kl_estimator` KL of each token of the sampling policy
     (the rollout's log-probabilities) to the reference; and the KL's sum over the tokens."""
@@ -125,6 +135,14 @@ def step_lr(step: int, cfg) -> float:
     """The learning rate of RL step `step` under `cfg`'s warmup and decay."""
     return learning_rate(step, base=cfg.lr, warmup_steps=cfg.lr_warmup_steps, decay=cfg.lr_decay,
                          decay_steps=cfg.lr_decay_steps or cfg.steps, min_lr=cfg.min_lr)
+
+
+def critic_lr(step: int, cfg) -> float:
+    """The critic's learning rate of RL step `step`: `cfg.critic`'s rate, warmup and decay (decay_steps default
+    `cfg.steps`)."""
+    c = cfg.critic
+    return learning_rate(step, base=c.lr, warmup_steps=c.lr_warmup_steps, decay=c.lr_decay,
+                         decay_steps=c.lr_decay_steps or cfg.steps, min_lr=c.min_lr)
 
 
 def kl_controller(cfg) -> AdaptiveKL:

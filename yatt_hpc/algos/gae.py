@@ -1,0 +1,110 @@
+"""PPO's critic formulas: generalized advantage estimation, the clipped value loss, explained variance.
+
+    gae = estimate_gae(rewards, values, gamma=1.0, lam=0.95, token_penalties=None, whiten_advantages=True)
+    gae.advantages, gae.returns      # one float32 array per sample, one entry per response token
+    loss, clipped = value_loss(v_new, v_old, returns, clip=0.5)      # per token, before aggregation
+    ev = explained_variance(sums)    # from `value_sums` over the global batch
+
+Token level: a response of n tokens is n actions; the state of token t is the prompt and the tokens before it,
+V_t the critic's value there (the position whose logit samples token t, as the log-probabilities are aligned).
+The scalar reward sits on the last token, less the per-token penalties (beta x KL when the KL is in the reward).
+Each sample is its own ragged array, so there is no padding to leak into a recursion or a mean (verl's padded
+GAE leaves values on padded positions, docs/recipes.md). Pure numpy and torch: no model, no process group;
+whitening over the global batch takes `reduce` (a sum over the data-parallel ranks) like `advantages.whiten`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from yatt_hpc.algos.advantages import whiten
+
+
+def _identity(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+@dataclass
+class GAE:
+    advantages: list[np.ndarray]
+    """One float32 array per sample (whitened over the global batch when asked)."""
+    returns: list[np.ndarray]
+    """The value targets A_t + V_t (before any whitening of A), float32."""
+
+
+def gae_one(token_rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """GAE (Schulman et al. 2016, arXiv 1506.02438) over one response, in float64:
+    delta_t = r_t + gamma V_{t+1} - V_t (V after the last token is 0: the episode ends there),
+    A_t = delta_t + gamma lam A_{t+1}, returns R_t = A_t + V_t. verl `compute_gae_advantage_return` and TRL's
+    PPOTrainer compute the same recursion on padded rows."""
+    r, v = np.asarray(token_rewards, np.float64), np.asarray(values, np.float64)
+    adv = np.zeros(len(r), np.float64)
+    running, next_value = 0.0, 0.0
+    for t in range(len(r) - 1, -1, -1):
+        delta = r[t] + gamma * next_value - v[t]
+        running = delta + gamma * lam * running
+        adv[t], next_value = running, v[t]
+    return adv, adv + v
+
+
+def estimate_gae(rewards: np.ndarray, values: Sequence[np.ndarray], *, gamma: float, lam: float,
+                 token_penalties: Sequence[np.ndarray] | None = None, whiten_advantages: bool = True,
+                 reduce: Callable[[np.ndarray], np.ndarray] = _identity) -> GAE:
+    """Token-level GAE of every sample: the reward on its last token less `token_penalties` per token, `values`
+    the critic's V_t per response token. `whiten_advantages` whitens A over every response token of the global
+    batch (verl and TRL's PPOTrainer always whiten GAE's advantages, `masked_whiten`); returns are not."""
+    advantages, returns = [], []
+    for i, (reward, v) in enumerate(zip(np.asarray(rewards, np.float64), values)):
+        token_rewards = np.zeros(len(v), np.float64)
+        if token_penalties is not None:
+            token_rewards -= np.asarray(token_penalties[i], np.float64)
+        if len(v):
+            token_rewards[-1] += reward
+        adv, ret = gae_one(token_rewards, v, gamma, lam)
+        advantages.append(adv)
+        returns.append(ret.astype(np.float32))
+    if whiten_advantages:
+        advantages = whiten(advantages, np.ones(len(advantages), bool), reduce)
+    else:
+        advantages = [a.astype(np.float32) for a in advantages]
+    return GAE(advantages, returns)
+
+
+def value_loss(v_new: torch.Tensor, v_old: torch.Tensor, returns: torch.Tensor,
+               clip: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped value loss per token, 0.5 max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2), and where the
+    clipped term was the larger (the value-clip fraction). verl `compute_value_loss` (`cliprange_value`), TRL
+    PPOTrainer (`cliprange_value`, its 0.5 x masked mean), OpenRLHF `ValueLoss` (`value_clip`). `clip=None`: the
+    plain 0.5 (V - R)^2."""
+    plain = (v_new - returns) ** 2
+    if clip is None:
+        return 0.5 * plain, torch.zeros_like(plain, dtype=torch.bool)
+    clipped = (v_old + (v_new - v_old).clamp(-clip, clip) - returns) ** 2
+    return 0.5 * torch.maximum(plain, clipped), clipped > plain
+
+
+VALUE_SUMS = ("tokens", "value", "ret", "ret_sq", "err", "err_sq")
+
+
+def value_sums(values: Sequence[np.ndarray], returns: Sequence[np.ndarray]) -> np.ndarray:
+    """This replica's sums over its response tokens (`VALUE_SUMS`): count, sum V, sum R, sum R^2, sum (R - V),
+    sum (R - V)^2; summed over the replicas they give the global batch's `explained_variance` and value mean."""
+    v = np.concatenate([np.asarray(x, np.float64) for x in values]) if len(values) else np.zeros(0)
+    r = np.concatenate([np.asarray(x, np.float64) for x in returns]) if len(returns) else np.zeros(0)
+    e = r - v
+    return np.array([v.size, v.sum(), r.sum(), (r * r).sum(), e.sum(), (e * e).sum()], np.float64)
+
+
+def explained_variance(sums: np.ndarray) -> float:
+    """1 - Var(R - V) / Var(R) over the tokens the `value_sums` cover (population variances; TRL's and verl's
+    `explained_variance` metric). 1 is a perfect critic, 0 one no better than the mean return; an all-equal R
+    has no variance to explain (0 returned)."""
+    n, _, ret, ret_sq, err, err_sq = (float(x) for x in sums)
+    if n < 1:
+        return 0.0
+    var_ret = ret_sq / n - (ret / n) ** 2
+    var_err = err_sq / n - (err / n) ** 2
+    return 0.0 if var_ret <= 1e-12 else 1.0 - var_err / var_ret
