@@ -19,7 +19,6 @@ from mpi4py import MPI
 from yatt_hpc.batch import SampleBatch, batch_columns, batch_from_columns
 from yatt_hpc.comm.transport import TAG_COUNT, TAG_SAMPLES, TAG_SCORED, recv_batch, recv_ints, wait_collective
 from yatt_hpc.errors import InputError
-from yatt_hpc.rollout import GenerationRequest
 from yatt_hpc.sched.partial import (
     PAUSED,
     complete_groups,
@@ -90,6 +89,8 @@ class PartialSegments:
 
     def _segment(self, prompts: SampleBatch, rows: _Responses, index: np.ndarray) -> None:
         """One segment of the rows at `index`: each continues from its prompt and its response so far."""
+        from yatt_hpc.rollout import GenerationRequest  # rollout ranks only: the engines' modules load torch
+
         rc = self.cfg.rollout
         budget = segment_budget(rows.lens[index], rc.segment_tokens, rc.max_new_tokens)
         images = {pid: tuple(b.tobytes() for b in group) for pid, group in prompts.group_images().items()}
