@@ -29,9 +29,15 @@ def run(run_dir, *sets, timeout=600):
     return step_rows(run_dir)
 
 
-def test_a_multi_turn_run_calls_the_tool_masks_its_results_and_trains(mpirun, tmp_path):
-    rows = run(tmp_path / "run", "train.steps=3", "checkpoint.interval=3", *SMALL)
+PPO = ("train.adv_estimator=gae", "train.critic.lr=1e-3")
+
+
+@pytest.mark.parametrize("recipe", [(), PPO], ids=["grpo", "ppo-critic"])
+def test_a_multi_turn_run_calls_the_tool_masks_its_results_and_trains(mpirun, tmp_path, recipe):
+    rows = run(tmp_path / "run", "train.steps=3", "checkpoint.interval=3", *SMALL, *recipe)
     assert len(rows) == 3
+    if recipe:  # the critic trains on the model's tokens (GAE skips the tool results: tests/unit/test_gae.py)
+        assert all(m["critic/value_loss"] > 0 and m["critic/grad_norm"] > 0 for m in rows)
     for m in rows:
         assert m["agent/tool_calls"] > 0 and 1.0 < m["agent/turns_mean"] <= 3.0
         assert 0.0 < m["agent/masked_fraction"] < 0.5 and m["agent/masked_tokens"] > 0
@@ -77,6 +83,24 @@ def test_the_demo_learns_to_use_the_tool(mpirun, tmp_path):
 
     assert mean(last, "reward/mean") > mean(first, "reward/mean") + 0.2
     assert mean(last, "agent/trajectories_with_tool_success") > mean(first, "agent/trajectories_with_tool_success") + 0.15
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
+@full_matrix_only
+def test_ppo_with_a_critic_learns_to_use_the_tool(mpirun, tmp_path):
+    """The tool demo with PPO (GAE over the model's tokens; measured: reward 0.44 -> 0.85-0.93 over steps 12-20,
+    trajectories with a successful call 0.60 -> 0.90-0.98, held-out pass@1 0.36 -> 0.92; docs/agentic.md)."""
+    run_dir = tmp_path / "run"
+    rows = run(run_dir, "logging.progress=false", *PPO, "train.critic.warmup_steps=3", timeout=1200)
+    first, last = rows[:3], rows[-3:]
+
+    def mean(ms, key):
+        return sum(m[key] for m in ms) / len(ms)
+
+    assert mean(last, "reward/mean") > mean(first, "reward/mean") + 0.2
+    assert mean(last, "agent/trajectories_with_tool_success") > mean(first, "agent/trajectories_with_tool_success") + 0.15
+    assert mean(last, "critic/value_mean") > mean(first, "critic/value_mean") + 0.3  # values follow the returns
+    assert mean(last, "critic/value_loss") < 0.5 * mean(first, "critic/value_loss")
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 
