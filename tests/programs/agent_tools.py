@@ -51,3 +51,20 @@ def meet() -> str:
 def typo(x: str) -> str:
     """Fails inside with a TypeError of its own."""
     return x + 1
+
+
+def look_where(k: str) -> str:
+    """The demo's `look` tool (yatt_hpc.demo.lookup:look), which also appends the MPI world rank running it to
+    the file YATT_TOOL_LOG names: tests/mpi/test_tool_calls.py reads where the calls ran.
+
+    k: the key
+    """
+    import os
+
+    from yatt_hpc.demo.lookup import look
+
+    path = os.environ.get("YATT_TOOL_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('PMIX_RANK', '?'))}\n")
+    return look(k)
