@@ -106,3 +106,17 @@ def test_calls_and_outcomes_cross_the_wire_unchanged():
         box.close()
     assert [(o.name, o.content, o.status) for o in here] == [(o.name, o.content, o.status) for o in there]
     assert [o.status for o in there] == ["ok", "error", "error", "error", "ok"] and there[0].content == "5"
+
+
+def test_over_dispatch_with_a_tools_group_needs_an_mpi_of_thread_multiple(monkeypatch):
+    from mpi4py import MPI
+
+    from yatt_hpc.errors import InputError
+    from yatt_hpc.roles.rollout import check_tool_threads
+
+    c = cfg("demo_tools_cpu.yaml", "placement.tools.tasks_per_node=1", "placement.mode=partial",
+            "rollout.over_dispatch_ratio=1.5")
+    monkeypatch.setattr(MPI, "Query_thread", lambda: MPI.THREAD_SERIALIZED)
+    with pytest.raises(InputError, match=r"rollout.over_dispatch_ratio=1.5 with a tools group.*THREAD_MULTIPLE"):
+        check_tool_threads(c)
+    check_tool_threads(cfg("demo_tools_cpu.yaml", "placement.tools.tasks_per_node=1"))  # no helper thread: fine
