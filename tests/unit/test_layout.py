@@ -22,7 +22,7 @@ ALLOWED = {
     "demo": set(),
     # multi-turn rollouts: the loop drives a rollout/ engine, renders tool turns with the data/ tokenizer; the
     # tools group's calls cross MPI (comm) and its ranks checkpoint their RNG (ckpt)
-    "agent": {"config", "rollout", "batch", "data", "comm", "ckpt"},
+    "agent": {"config", "rollout", "batch", "data", "comm", "ckpt", "errors"},
     "rollout": {"metrics.activity", "device", "vision"},  # engines join a weight pair's group (device.weight_group)
     "train": {"algos", "metrics.activity", "ckpt.optim", "batch", "config", "device", "vision", "models", "optim",
               "lora.layers"},  # the policy attaches adapters

@@ -111,8 +111,8 @@ def test_calls_and_outcomes_cross_the_wire_unchanged():
 def test_over_dispatch_with_a_tools_group_needs_an_mpi_of_thread_multiple(monkeypatch):
     from mpi4py import MPI
 
+    from yatt_hpc.agent.tools_group import check_tool_threads
     from yatt_hpc.errors import InputError
-    from yatt_hpc.roles.rollout import check_tool_threads
 
     c = cfg("demo_tools_cpu.yaml", "placement.tools.tasks_per_node=1", "placement.mode=partial",
             "rollout.over_dispatch_ratio=1.5")

@@ -96,6 +96,18 @@ def call_slices(n: int, ranks: int, first: int) -> list[tuple[int, int, int]]:
     return out
 
 
+def check_tool_threads(cfg) -> None:
+    """With over-dispatch a helper thread takes STOPs while the loop thread waits on the tools group's answers:
+    two threads talking MPI at once, which only an MPI of THREAD_MULTIPLE allows."""
+    if cfg.rollout.over_dispatch_ratio > 1.0 and MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        from yatt_hpc.errors import InputError  # the registry of user errors imports most of the library
+
+        raise InputError(f"rollout.over_dispatch_ratio={cfg.rollout.over_dispatch_ratio:g} with a tools group "
+                         f"(placement.tools.tasks_per_node={cfg.placement.tools.tasks_per_node}) needs an MPI with "
+                         f"THREAD_MULTIPLE, and this one gives thread level {MPI.Query_thread()}; use an MPI built with "
+                         "thread support, set rollout.over_dispatch_ratio=1, or placement.tools.tasks_per_node=0")
+
+
 class RemoteToolBox:
     """`ToolBox`'s `run` on a rollout rank, the calls executed by the tools group."""
 

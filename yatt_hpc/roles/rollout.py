@@ -35,7 +35,6 @@ from yatt_hpc.comm.transport import (
 )
 from yatt_hpc.comm.weight_sync import receive_weights
 from yatt_hpc.config.schema import RunConfig
-from yatt_hpc.errors import InputError
 from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.base import BaseController, eval_round, rank_device, rollout_engine_options, training_round
 from yatt_hpc.roles.colocation import holding_devices
@@ -67,7 +66,7 @@ class RolloutController(PartialSegments, BaseController):
                                    **rollout_engine_options(world, cfg))
         self.remote_tools = None  # the tools group's client: the calls run there, not here
         if world.plan.tool_ranks:
-            from yatt_hpc.agent.tools_group import RemoteToolBox
+            from yatt_hpc.agent.tools_group import RemoteToolBox, check_tool_threads
 
             check_tool_threads(cfg)
             self.remote_tools = RemoteToolBox(world.comm, world.plan.tool_ranks, world.group_rank)
@@ -295,16 +294,6 @@ class RolloutController(PartialSegments, BaseController):
 
     def after_resume(self, step: int) -> None:
         self.receive_weights()  # the trainer sends its restored weights
-
-
-def check_tool_threads(cfg) -> None:
-    """With over-dispatch a helper thread takes STOPs while the loop thread waits on the tools group's answers:
-    two threads talking MPI at once, which only an MPI of THREAD_MULTIPLE allows."""
-    if cfg.rollout.over_dispatch_ratio > 1.0 and MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        raise InputError(f"rollout.over_dispatch_ratio={cfg.rollout.over_dispatch_ratio:g} with a tools group "
-                         f"(placement.tools.tasks_per_node={cfg.placement.tools.tasks_per_node}) needs an MPI with "
-                         f"THREAD_MULTIPLE, and this one gives thread level {MPI.Query_thread()}; use an MPI built with "
-                         "thread support, set rollout.over_dispatch_ratio=1, or placement.tools.tasks_per_node=0")
 
 
 def _flat(arrays: list[np.ndarray], dtype) -> np.ndarray:
