@@ -10,13 +10,24 @@ interrupted run with the group resumes bitwise.
 """
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import NO_EVAL, REPO, checkpoint_weights, full_matrix_only, mpi_env
+from tests.conftest import (
+    NO_EVAL,
+    REPO,
+    checkpoint_weights,
+    full_matrix_only,
+    kill_leftovers,
+    leftover_pids,
+    mpi_env,
+    wait_for_file,
+)
 from yatt_hpc.metrics.writer import step_rows
 
 CONFIG = str(REPO / "configs/demo_tools_cpu.yaml")
@@ -90,3 +101,34 @@ def test_the_tools_group_serves_other_placements(mpirun, tmp_path, sets, tool_ra
     rows, ranks = run(tmp_path / "run", "train.steps=2", "checkpoint.interval=2", *SMALL, *sets)
     assert len(rows) == 2 and all(m["agent/tools_group_calls"] == m["agent/tool_calls"] > 0 for m in rows)
     assert set(ranks) == tool_ranks
+
+
+@full_matrix_only
+def test_a_stop_while_a_tool_rank_is_inside_a_call_gives_the_step_up_and_resumes_bitwise(mpirun, tmp_path):
+    """SIGTERM while the tools rank runs a call that never returns (the rollout rank waiting on it, the trainers on
+    the rollout): within checkpoint.stop_grace_s the step is given up, step 1 is committed, every process exits;
+    the same command then ends bitwise where an uninterrupted run ends."""
+    held = ("agent.tools=[{function: 'tests.programs.agent_tools:look_held', name: look}]", "agent.tool_timeout_s=300",
+            "checkpoint.interval=0", "checkpoint.stop_grace_s=1", "train.steps=2", GROUP, *SMALL[:3], *NO_EVAL)
+    straight_rows, _ = run(tmp_path / "straight", *held)
+    calls_in_step_1 = int(straight_rows[0]["agent/tool_calls"])
+    hold, run_dir = tmp_path / "hold", tmp_path / "run"
+    hold.mkdir()
+    before = set(leftover_pids())
+    args = [a for kv in held for a in ("--set", kv)]
+    proc = subprocess.Popen([sys.executable, "-m", "yatt_hpc.cli", "run", CONFIG, "--run-dir", str(run_dir), *args],
+                            cwd=REPO, env={**mpi_env(), "YATT_TOOL_HOLD": f"{hold}:{calls_in_step_1}"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for_file(hold / "holding", alive=lambda: proc.poll() is None)  # step 2's first call, on the tools rank
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        (hold / "release").write_text("")
+        kill_leftovers(before)
+    assert proc.returncode == 0, out[-3000:]
+    record = json.loads((run_dir / "logs" / "stop_local_0.json").read_text())
+    assert record["step"] == 1 and "gave up step 2" in record["abandoned"], record
+    assert (run_dir / "checkpoints" / "step-1" / "COMMITTED").exists()
+    run(run_dir, *held)  # the same command resumes from step 1
+    assert same_weights(tmp_path / "straight", run_dir, 2)

@@ -68,3 +68,28 @@ def look_where(k: str) -> str:
         with open(path, "a") as f:
             f.write(f"{os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('PMIX_RANK', '?'))}\n")
     return look(k)
+
+
+_SEEN = [0]
+
+
+def look_held(k: str) -> str:
+    """The demo's `look`, except that with YATT_TOOL_HOLD=DIR:N in the environment the process's call number N + 1
+    writes DIR/holding and then never returns (until DIR/release exists): a tool call the stop must not wait for.
+
+    k: the key
+    """
+    import os
+    from pathlib import Path
+
+    from yatt_hpc.demo.lookup import look
+
+    spec = os.environ.get("YATT_TOOL_HOLD")
+    _SEEN[0] += 1
+    if spec:
+        where, _, after = spec.rpartition(":")
+        if _SEEN[0] == int(after) + 1:
+            Path(where, "holding").write_text(f"{os.getpid()}\n")
+            while not Path(where, "release").exists():
+                time.sleep(0.05)
+    return look(k)
