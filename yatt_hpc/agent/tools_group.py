@@ -9,13 +9,13 @@
 
 Test: .venv/bin/python -m pytest tests/unit/test_tools_group.py tests/mpi/test_tool_calls.py
 
-A turn's calls (the JSON objects the model wrote, or the error text of a malformed one) go as one JSON message
-per tool rank (TAG_TOOL_CALLS): the calls are cut into contiguous slices, one per tool rank, the first slice to
-a rank that turns with the rollout rank and the turn, so small turns of many rollout ranks spread over the group.
-A tool rank takes every request that is waiting, runs all their calls in one `ToolBox.run` (its
-`agent.tool_workers` threads, its sandboxes, its timeouts), and answers each request with the outcomes of its
-calls (TAG_TOOL_RESULTS). The rollout rank's `AgentLoop` reads the outcomes as it reads its own pool's: the same `ToolBox` code makes the same text,
-status and cut, so with deterministic tools a run with a tools group is bitwise the run without one.
+A turn's calls (the JSON objects the model wrote, or the error text of a malformed one) go as one JSON message per
+tool rank (TAG_TOOL_CALLS): the calls are cut into contiguous slices, one per tool rank, the first slice to a rank
+that turns with the rollout rank and the turn, so small turns of many rollout ranks spread over the group. A tool
+rank takes every request that is waiting, runs all their calls in one `ToolBox.run` (its `agent.tool_workers`
+threads, its sandboxes, its timeouts), and answers each request with the outcomes of its calls (TAG_TOOL_RESULTS).
+The rollout rank's `AgentLoop` reads the outcomes as it reads its own pool's: the same `ToolBox` code makes the
+same text, status and cut, so with deterministic tools a run with a tools group is bitwise the run without one.
 
 The wave's messages, in order: rollout -> tools TAG_TOOL_CALLS, tools -> rollout TAG_TOOL_RESULTS (any number,
 one answer per request), then once per wave rollout -> every tool rank TAG_TOOLS_DONE, sent before the rollout
