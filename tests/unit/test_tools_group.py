@@ -120,3 +120,22 @@ def test_over_dispatch_with_a_tools_group_needs_an_mpi_of_thread_multiple(monkey
     with pytest.raises(InputError, match=r"rollout.over_dispatch_ratio=1.5 with a tools group.*THREAD_MULTIPLE"):
         check_tool_threads(c)
     check_tool_threads(cfg("demo_tools_cpu.yaml", "placement.tools.tasks_per_node=1"))  # no helper thread: fine
+
+
+def test_the_sandboxed_python_tools_outcomes_cross_the_wire_unchanged():
+    from yatt_hpc.agent.sandbox import SandboxError
+
+    spec = ToolSpec(function="builtin:python")
+    try:
+        box = ToolBox([build_tool(spec, AgentConfig(tools=[spec]))], workers=2, timeout_s=10.0)
+    except SandboxError as err:
+        pytest.skip(f"no sandbox on this machine: {err}")
+    calls = [ToolCall("python", {"code": "print(6 * 7)"}), ToolCall("python", {"code": "raise SystemExit(3)"}),
+             ToolCall("python", {"code": "import socket; socket.create_connection(('1.1.1.1', 53), timeout=1)"})]
+    try:
+        here = box.run(calls)
+        there = decode_outcomes(encode_outcomes(box.run(decode_calls(encode_calls(calls)))))
+    finally:
+        box.close()
+    assert [(o.content, o.status) for o in here] == [(o.content, o.status) for o in there]
+    assert [o.status for o in there] == ["ok", "error", "error"] and there[0].content == "42\n"
