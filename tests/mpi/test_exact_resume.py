@@ -144,6 +144,8 @@ def real_state(run_dir, step: int):
     return checkpoint_weights(run_dir, step), [(r["step"], r["positions"]) for r in rows if r["step"] <= step]
 
 
+@full_matrix_only  # ~4 min on 2 cores; in CI the real-size update is checked bitwise across two processes
+# (tests/unit/test_determinism.py) and the resume path at the demo's size (above)
 def test_a_real_size_layer_shape_resumes_bitwise_identical(real_shape_policy, tmp_path):
     args = [*REAL_ARGS, "--set", f"model.path={real_shape_policy}"]
     straight_dir, run_dir = tmp_path / "straight", tmp_path / "run"

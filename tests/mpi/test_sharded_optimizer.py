@@ -39,7 +39,10 @@ def _update(mpirun, out: Path, ranks: int, shard: bool, *extra: str) -> dict:
     return dict(np.load(out / f"params-{ranks}.npz"))
 
 
-@pytest.mark.parametrize("ranks, extra", [(2, ()), (3, ("--bf16",))], ids=["fp32-dp2", "bf16-dp3"])
+@pytest.mark.parametrize("ranks, extra", [
+    pytest.param(2, (), id="fp32-dp2"),
+    pytest.param(3, ("--bf16",), id="bf16-dp3", marks=full_matrix_only),  # uneven shards in bf16: make test-faults
+])
 def test_sharded_updates_give_bitwise_the_unsharded_weights(mpirun, tmp_path, ranks, extra):
     plain = _update(mpirun, tmp_path / "plain", ranks, False, *extra)
     sharded = _update(mpirun, tmp_path / "sharded", ranks, True, *extra)

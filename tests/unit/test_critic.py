@@ -55,6 +55,27 @@ def test_values_are_the_same_on_shared_prompts_and_padded_rows_and_the_update_fi
     assert stats.optimizer_steps == 1 and stats.tokens == float(batch.response_len.sum())
 
 
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prompts", "padded"])
+def test_tool_result_tokens_carry_no_value_loss(one_rank_world, share):
+    """An agent's tool results (response_mask 0) are out of the value loss: their returns can be anything."""
+    from yatt_hpc.train.step_plan import whole_batch_plan
+
+    batch, _ = random_update_batch(104, samples=6)
+    rng = np.random.default_rng(5)
+    batch.response_mask = (rng.random(batch.response_mask.size) < 0.6).astype(np.uint8)
+    masks = batch.ragged("response_mask")
+    returns = [np.full(n, 0.5, np.float32) for n in batch.response_len]
+    wild = [np.where(m > 0, r, 50.0).astype(np.float32) for r, m in zip(returns, masks)]
+    plan = whole_batch_plan(batch, _critic(share_prompts=share).cfg)
+    a, b = _critic(share_prompts=share), _critic(share_prompts=share)
+    old = a.values(batch)
+    stats_a, stats_b = a.update_values(batch, old, returns, plan), b.update_values(batch, old, wild, plan)
+    assert stats_a.tokens == stats_b.tokens == float(batch.response_mask.sum())
+    assert stats_a.loss == stats_b.loss
+    for x, y in zip(a.values(batch), b.values(batch)):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_value_clip_holds_the_loss_around_the_old_values(one_rank_world):
     from yatt_hpc.train.step_plan import whole_batch_plan
 

@@ -85,6 +85,57 @@ def test_gae_equals_verls_padded_formula(gamma, lam):
         np.testing.assert_allclose(ours.returns[i], ret[i, :n].numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_multi_turn_gae_skips_the_tokens_the_model_did_not_sample():
+    # model, tool result, tool result, model: the recursion sees two tokens, V = (0.5, 0.6), reward 1 on the last
+    values = np.array([0.5, 9.0, -9.0, 0.6])  # the tool tokens' values must not enter anything
+    sampled = np.array([1, 0, 0, 1])
+    adv, ret = gae_one(np.array([0.0, 0.0, 0.0, 1.0]), values, gamma=0.9, lam=0.8, sampled=sampled)
+    # t=3: delta = 1 - 0.6 = 0.4                        A = 0.4
+    # t=0: delta = 0.9 * 0.6 - 0.5 = 0.04               A = 0.04 + 0.72 * 0.4 = 0.328
+    np.testing.assert_allclose(adv, [0.328, 0.0, 0.0, 0.4], atol=1e-12)
+    np.testing.assert_allclose(ret, [0.828, 9.0, -9.0, 1.0], atol=1e-12)  # skipped tokens: R = V, no error
+    compressed, _ = gae_one(np.array([0.0, 1.0]), np.array([0.5, 0.6]), gamma=0.9, lam=0.8)
+    np.testing.assert_allclose(adv[sampled > 0], compressed, atol=1e-12)
+
+
+def test_a_trajectory_cut_after_a_tool_result_rewards_the_model_s_last_token():
+    gae = estimate_gae(np.array([1.0]), [np.array([0.5, 0.6, 0.1, 0.2])], gamma=1.0, lam=1.0,
+                       whiten_advantages=False, sampled=[np.array([1, 1, 0, 0])])
+    np.testing.assert_allclose(gae.advantages[0], [0.5, 0.4, 0.0, 0.0], atol=1e-6)
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.5)])
+def test_multi_turn_gae_equals_verls_masked_recursion(gamma, lam):
+    """verl's recursion carries `nextvalues` and `lastgaelam` over masked positions; with the response mask as its
+    mask (tool results 0, the last token the model's) it is our multi-turn GAE, whitening over the model's tokens."""
+    rng = np.random.default_rng(11)
+    lens = rng.integers(2, 10, 12)
+    rewards = rng.random(12)
+    values = [rng.normal(size=n) for n in lens]
+    sampled = [np.r_[rng.integers(0, 2, n - 1), 1] for n in lens]
+    for m in sampled:
+        m[0] = 1
+    ours = estimate_gae(rewards, values, gamma=gamma, lam=lam, sampled=sampled)
+    width = int(lens.max())
+    tok, val, mask = (torch.zeros(12, width, dtype=torch.float64) for _ in range(3))
+    for i, n in enumerate(lens):
+        tok[i, n - 1] = rewards[i]
+        val[i, :n] = torch.from_numpy(values[i])
+        mask[i, :n] = torch.from_numpy(sampled[i].astype(np.float64))
+    adv, ret = _verl_gae(tok, val, mask, gamma, lam)
+    for i, n in enumerate(lens):
+        m = sampled[i] > 0
+        np.testing.assert_allclose(ours.advantages[i][m], adv[i, :n].numpy()[m], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ours.returns[i][m], ret[i, :n].numpy()[m], rtol=1e-5, atol=1e-6)
+        assert not ours.advantages[i][~m].any()
+
+
+def test_value_sums_count_the_model_s_tokens_only():
+    values, returns = [np.array([1.0, 5.0, 2.0])], [np.array([1.5, -5.0, 2.5])]
+    sums = value_sums(values, returns, [np.array([1, 0, 1])])
+    np.testing.assert_allclose(sums, [2, 3.0, 4.0, 1.5 ** 2 + 2.5 ** 2, 1.0, 0.5])
+
+
 def test_whitening_is_over_the_global_batch_however_it_is_split():
     rng = np.random.default_rng(3)
     lens = rng.integers(1, 7, 10)

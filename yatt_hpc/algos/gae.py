@@ -35,42 +35,63 @@ class GAE:
     """The value targets A_t + V_t (before any whitening of A), float32."""
 
 
-def gae_one(token_rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
+def gae_one(token_rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float,
+            sampled: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """GAE (Schulman et al. 2016, arXiv 1506.02438) over one response, in float64:
     delta_t = r_t + gamma V_{t+1} - V_t (V after the last token is 0: the episode ends there),
     A_t = delta_t + gamma lam A_{t+1}, returns R_t = A_t + V_t. verl `compute_gae_advantage_return` and TRL's
-    PPOTrainer compute the same recursion on padded rows."""
+    PPOTrainer compute the same recursion on padded rows.
+
+    `sampled` (multi-turn: 0 on the tool results' tokens the model did not sample) skips those tokens: the
+    recursion runs over the model's tokens only, as if the observations were not there, so V_{t+1} is the value
+    at the next token the model sampled (verl's multi-turn GAE carries `nextvalues` and `lastgaelam` over
+    observation tokens the same way). A skipped token gets A = 0 and R = V: no advantage, no value error."""
     r, v = np.asarray(token_rewards, np.float64), np.asarray(values, np.float64)
-    adv = np.zeros(len(r), np.float64)
+    adv, ret = np.zeros(len(r), np.float64), v.copy()
     running, next_value = 0.0, 0.0
     for t in range(len(r) - 1, -1, -1):
+        if sampled is not None and not sampled[t]:
+            continue
         delta = r[t] + gamma * next_value - v[t]
         running = delta + gamma * lam * running
-        adv[t], next_value = running, v[t]
-    return adv, adv + v
+        adv[t], ret[t], next_value = running, running + v[t], v[t]
+    return adv, ret
 
 
 def estimate_gae(rewards: np.ndarray, values: Sequence[np.ndarray], *, gamma: float, lam: float,
                  token_penalties: Sequence[np.ndarray] | None = None, whiten_advantages: bool = True,
-                 reduce: Callable[[np.ndarray], np.ndarray] = _identity) -> GAE:
+                 reduce: Callable[[np.ndarray], np.ndarray] = _identity,
+                 sampled: Sequence[np.ndarray] | None = None) -> GAE:
     """Token-level GAE of every sample: the reward on its last token less `token_penalties` per token, `values`
     the critic's V_t per response token. `whiten_advantages` whitens A over every response token of the global
-    batch (verl and TRL's PPOTrainer always whiten GAE's advantages, `masked_whiten`); returns are not."""
+    batch (verl and TRL's PPOTrainer always whiten GAE's advantages, `masked_whiten`); returns are not.
+
+    `sampled` (an agent's `response_mask`): the recursion skips the tokens the model did not sample (`gae_one`),
+    the reward sits on the last token the model sampled (a trajectory cut after a tool result still rewards the
+    model's last turn; verl puts it on the last token, where an observation token would drop it), and the
+    whitening counts the model's tokens only."""
     advantages, returns = [], []
     for i, (reward, v) in enumerate(zip(np.asarray(rewards, np.float64), values)):
         token_rewards = np.zeros(len(v), np.float64)
         if token_penalties is not None:
             token_rewards -= np.asarray(token_penalties[i], np.float64)
-        if len(v):
-            token_rewards[-1] += reward
-        adv, ret = gae_one(token_rewards, v, gamma, lam)
+        mask = None if sampled is None else np.asarray(sampled[i]) > 0
+        model_tokens = np.arange(len(v)) if mask is None else np.flatnonzero(mask)
+        if len(model_tokens):
+            token_rewards[model_tokens[-1]] += reward
+        adv, ret = gae_one(token_rewards, v, gamma, lam, mask)
         advantages.append(adv)
         returns.append(ret.astype(np.float32))
-    if whiten_advantages:
-        advantages = whiten(advantages, np.ones(len(advantages), bool), reduce)
-    else:
-        advantages = [a.astype(np.float32) for a in advantages]
-    return GAE(advantages, returns)
+    if not whiten_advantages:
+        return GAE([a.astype(np.float32) for a in advantages], returns)
+    if sampled is None:
+        return GAE(whiten(advantages, np.ones(len(advantages), bool), reduce), returns)
+    masks = [np.asarray(m) > 0 for m in sampled]
+    model_only = whiten([a[m] for a, m in zip(advantages, masks)], np.ones(len(advantages), bool), reduce)
+    whitened = [np.zeros(len(a), np.float32) for a in advantages]
+    for out, w, m in zip(whitened, model_only, masks):
+        out[m] = w
+    return GAE(whitened, returns)
 
 
 def value_loss(v_new: torch.Tensor, v_old: torch.Tensor, returns: torch.Tensor,
@@ -89,9 +110,15 @@ def value_loss(v_new: torch.Tensor, v_old: torch.Tensor, returns: torch.Tensor,
 VALUE_SUMS = ("tokens", "value", "ret", "ret_sq", "err", "err_sq")
 
 
-def value_sums(values: Sequence[np.ndarray], returns: Sequence[np.ndarray]) -> np.ndarray:
+def value_sums(values: Sequence[np.ndarray], returns: Sequence[np.ndarray],
+               sampled: Sequence[np.ndarray] | None = None) -> np.ndarray:
     """This replica's sums over its response tokens (`VALUE_SUMS`): count, sum V, sum R, sum R^2, sum (R - V),
-    sum (R - V)^2; summed over the replicas they give the global batch's `explained_variance` and value mean."""
+    sum (R - V)^2; summed over the replicas they give the global batch's `explained_variance` and value mean.
+    With `sampled` (an agent's `response_mask`) over the tokens the model sampled only."""
+    if sampled is not None:
+        masks = [np.asarray(m) > 0 for m in sampled]
+        values = [np.asarray(x)[m] for x, m in zip(values, masks)]
+        returns = [np.asarray(x)[m] for x, m in zip(returns, masks)]
     v = np.concatenate([np.asarray(x, np.float64) for x in values]) if len(values) else np.zeros(0)
     r = np.concatenate([np.asarray(x, np.float64) for x in returns]) if len(returns) else np.zeros(0)
     e = r - v

@@ -175,9 +175,6 @@ def agent_cross_problem(cfg) -> str | None:
     if cfg.rollout.max_staleness:
         return ("rollout.max_staleness with agent tools is not supported yet (the pending batches would need "
                 "their tool state in the checkpoint); set rollout.max_staleness=0")
-    if cfg.train.adv_estimator == "gae":
-        return ("train.adv_estimator=gae with agent tools is not supported yet (the critic would value the tool "
-                "results' tokens, which the policy did not sample); use a group estimator such as grpo or rloo")
     if cfg.reward.overlong_buffer_len is not None:
         return ("reward.overlong_buffer_len with agent tools: the penalty counts rollout.max_new_tokens, which is "
                 "one turn's cap, not the response's; drop reward.overlong_buffer_len")

@@ -203,6 +203,7 @@ class MegatronCritic(MegatronPolicy):
         v_old = shared_prompt.padded(old, width).to(v_new.device)
         ret = shared_prompt.padded(returns, width).to(v_new.device)
         mask = mask * torch.from_numpy(keep).to(mask)[:, None]  # train.mask_truncated: out of this loss too
+        mask = mask * shared_prompt.padded(mb.ragged("response_mask"), width).to(mask)  # tool results: no value loss
         per_token, clipped = value_loss(v_new, v_old, ret, self.cfg.critic.value_clip)
         loss = aggregate(per_token, mask, "token-mean", totals)
         return loss, (float(loss.detach()), float((clipped.to(mask.dtype) * mask).sum()), float(mask.sum()))

@@ -81,8 +81,9 @@ class UpdateSteps:
         self._gae = None
         self.stats.values.update({"critic_lr": lr, "critic_grad_norm": stats.grad_norm})
         if self.is_owner:
+            sums = value_sums(values, returns, batch.ragged("response_mask"))  # the model's tokens only
             for key, value in zip(("critic_tokens", "critic_value_sum", "critic_ret_sum", "critic_ret_sq",
-                                   "critic_err_sum", "critic_err_sq"), value_sums(values, returns)):
+                                   "critic_err_sum", "critic_err_sq"), sums):
                 self.stats.add(key, float(value))
             self.stats.add("critic_loss", stats.loss)
             self.stats.add("critic_clipped", stats.clipped)

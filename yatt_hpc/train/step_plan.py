@@ -104,9 +104,11 @@ def step_advantages(batch: SampleBatch, cfg, token_penalties: list[np.ndarray] |
 def step_gae(batch: SampleBatch, values: list[np.ndarray], cfg, token_penalties: list[np.ndarray] | None = None,
              reduce: Callable[[np.ndarray], np.ndarray] = lambda values: values) -> GAE:
     """`adv_estimator: gae`: GAE on the critic's `values` with `cfg.gamma`, `cfg.critic.lam` and
-    `cfg.critic.whiten_advantages` (`yatt_hpc/algos/gae.py`)."""
+    `cfg.critic.whiten_advantages` (`yatt_hpc/algos/gae.py`), over the tokens the model sampled (`response_mask`:
+    an agent's tool results are skipped)."""
     return estimate_gae(batch.reward, values, gamma=cfg.gamma, lam=cfg.critic.lam, token_penalties=token_penalties,
-                        whiten_advantages=cfg.critic.whiten_advantages, reduce=reduce)
+                        whiten_advantages=cfg.critic.whiten_advantages, reduce=reduce,
+                        sampled=batch.ragged("response_mask"))
 
 
 def reward_kl(batch: SampleBatch, ref_logprobs: list[np.ndarray], cfg, coef: float) -> tuple[list[np.ndarray], float]:
