@@ -51,3 +51,45 @@ def meet() -> str:
 def typo(x: str) -> str:
     """Fails inside with a TypeError of its own."""
     return x + 1
+
+
+def look_where(k: str) -> str:
+    """The demo's `look` tool (yatt_hpc.demo.lookup:look), which also appends the MPI world rank running it to
+    the file YATT_TOOL_LOG names: tests/mpi/test_tool_calls.py reads where the calls ran.
+
+    k: the key
+    """
+    import os
+
+    from yatt_hpc.demo.lookup import look
+
+    path = os.environ.get("YATT_TOOL_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.environ.get('OMPI_COMM_WORLD_RANK', os.environ.get('PMIX_RANK', '?'))}\n")
+    return look(k)
+
+
+_SEEN = [0]
+
+
+def look_held(k: str) -> str:
+    """The demo's `look`, except that with YATT_TOOL_HOLD=DIR:N in the environment the process's call number N + 1
+    writes DIR/holding and then never returns (until DIR/release exists): a tool call the stop must not wait for.
+
+    k: the key
+    """
+    import os
+    from pathlib import Path
+
+    from yatt_hpc.demo.lookup import look
+
+    spec = os.environ.get("YATT_TOOL_HOLD")
+    _SEEN[0] += 1
+    if spec:
+        where, _, after = spec.rpartition(":")
+        if _SEEN[0] == int(after) + 1:
+            Path(where, "holding").write_text(f"{os.getpid()}\n")
+            while not Path(where, "release").exists():
+                time.sleep(0.05)
+    return look(k)

@@ -162,6 +162,26 @@ def test_submit_wait_runs_two_grpo_steps(slurm_cluster, tmp_path, mode, componen
         assert [r["rollout/reused_prompts"] for r in rows] == [0, 4], rows
 
 
+@pytest.mark.skipif(not (REPO / "models/demo_tools/policy").is_dir(),
+                    reason="demo tools model missing: run .venv/bin/python tools/make_demo_tools_model.py")
+@full_matrix_only
+def test_the_tools_group_runs_as_a_heterogeneous_component_of_its_own(slurm_cluster, tmp_path):
+    """configs/tools_disjoint_cpu.yaml: trainer, rollout, GenRM and the tools group each a het component on its own
+    node; every tool call runs on the tools component's rank, which loads no torch."""
+    run_dir = tmp_path / "run"
+    proc = _cli("submit", str(REPO / "configs/tools_disjoint_cpu.yaml"), "--run-dir", str(run_dir), *FAST, "--wait",
+                timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + _log(run_dir)
+    job = proc.stdout.split("submitted job ", 1)[1].split(":")[0]
+    states = top_states(job)
+    assert len(states) == 4 and set(states.values()) == {"COMPLETED"}, states
+    rows = step_rows(run_dir)
+    assert len(rows) == 2 and all(r["agent/tools_group_calls"] == r["agent/tool_calls"] > 0 for r in rows), rows
+    tools_log = (run_dir / "logs" / "rank-0004-tools.log").read_text()
+    assert "tools rank serves rollout ranks 2-2" in tools_log and "(loaded: no torch)" in tools_log
+    assert "starting 5 ranks (disjoint)" in _log(run_dir)
+
+
 def test_cli_outside_a_cluster_says_so_in_one_line(tmp_path):
     env = {"PATH": str(tmp_path), "HOME": str(tmp_path)}  # no sbatch/squeue/... anywhere on PATH
     for verb in (["status"], ["logs", "1"], ["cancel", "1"], ["submit", DEMO, "--run-dir", str(tmp_path / "r")]):

@@ -42,6 +42,7 @@ LORA = "tests/unit/test_lora.py"  # train.lora: adapters, their maths and peft's
 AGENT = "tests/unit/test_agent_loop.py"  # agent: the multi-turn loop built from AgentConfig
 AGENT_TOOLS = "tests/unit/test_agent_tools.py::test_refused_agent_settings_name_the_field_and_the_fix"
 SANDBOX = "tests/unit/test_sandbox.py"  # agent.sandbox: PythonSandbox reads SandboxConfig
+TOOLS_GROUP = "tests/unit/test_tools_group.py"  # placement.tools: the plan, its Slurm component, refusals
 
 EFFECT: dict[str, str] = {
     # ---------------------------------------------------------------- model
@@ -219,6 +220,11 @@ EFFECT: dict[str, str] = {
     "placement.dynamic_split.min_replicas": f"{EFFECTS}::test_min_replicas_bounds_how_far_the_split_moves",
     "placement.dynamic_split.hysteresis": f"{EFFECTS}::test_hysteresis_decides_whether_a_better_split_is_taken",
     "placement.node_cpus": "tests/unit/test_core_share.py::test_node_cpus_gives_the_running_phase_the_nodes_cores",
+    "placement.tools.nodes": f"{TOOLS_GROUP}::test_disjoint_tools_group_is_a_heterogeneous_component_without_gpus",
+    "placement.tools.tasks_per_node": "tests/mpi/test_tool_calls.py::"
+                                      "test_the_tools_group_runs_every_call_and_the_rollout_rank_none",
+    "placement.tools.cpus_per_task": f"{TOOLS_GROUP}::test_disjoint_tools_group_is_a_heterogeneous_component_without_gpus",
+    "placement.tools.mem": f"{TOOLS_GROUP}::test_disjoint_tools_group_is_a_heterogeneous_component_without_gpus",
     # ---------------------------------------------------------------- checkpoint
     "checkpoint.interval": "tests/mpi/test_ckpt_faults.py::"
                            "test_a_corrupt_latest_checkpoint_is_skipped_moved_aside_and_the_run_resumes_from_the_one_before",
@@ -309,6 +315,9 @@ REFUSED: dict[str, str] = {
     "placement.genrm.cpus_per_task": "tests/unit/test_split.py::test_impossible_dynamic_split_names_field_and_fix",
     "placement.dynamic_split.min_replicas": "tests/unit/test_split.py::test_impossible_dynamic_split_names_field_and_fix",
     "placement.node_cpus": "tests/unit/test_core_share.py::test_other_placements_keep_cpus_per_task_and_refuse_node_cpus",
+    "placement.tools.tasks_per_node": f"{TOOLS_GROUP}::"
+                                      "test_a_tools_group_that_cannot_run_is_refused_naming_the_field_and_the_fix",
+    "placement.tools.nodes": f"{TOOLS_GROUP}::test_a_shared_placement_refuses_a_tools_group_on_other_nodes",
     "checkpoint.keep_last": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
     "checkpoint.stop_grace_s": f"{EFFECTS}::test_refused_values_name_the_field_and_the_fix",
     "health.heartbeat_s": "tests/unit/test_health.py::test_the_timeout_must_leave_room_for_late_beats",

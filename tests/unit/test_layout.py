@@ -18,10 +18,11 @@ ALLOWED = {
               "rollout", "train", "runtime", "vision", "models", "lora",
               "agent", "critic"},  # runtime: RankStats, the per-rank stats it reports to
     "runtime": {"roles", "comm", "sched", "batch", "metrics", "ckpt", "config", "data", "errors", "launch", "algos",
-                "placement"},
+                "placement", "agent.tools_group"},  # the worker builds the tools group's controller
     "demo": set(),
-    # multi-turn rollouts: the loop drives a rollout/ engine, renders tool turns with the data/ tokenizer
-    "agent": {"config", "rollout", "batch", "data"},
+    # multi-turn rollouts: the loop drives a rollout/ engine, renders tool turns with the data/ tokenizer; the
+    # tools group's calls cross MPI (comm) and its ranks checkpoint their RNG (ckpt)
+    "agent": {"config", "rollout", "batch", "data", "comm", "ckpt", "errors"},
     "rollout": {"metrics.activity", "device", "vision"},  # engines join a weight pair's group (device.weight_group)
     "train": {"algos", "metrics.activity", "ckpt.optim", "batch", "config", "device", "vision", "models", "optim",
               "lora.layers"},  # the policy attaches adapters

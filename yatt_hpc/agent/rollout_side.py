@@ -4,8 +4,9 @@
     results, extra = agent.generate(engine, prompts, requests, cancelled)   # {sample_id: GenerationResult}, ...
     batch.select(rows, ..., **extra_columns(extra, sample_ids))            # + response_mask and env_reward
 
-Tool calls run in a thread pool on this rank (`agent.tool_workers`); there is no tools group of ranks
-(`placement.tools` is not a setting).
+Tool calls run in a thread pool on this rank (`agent.tool_workers`), or, with a tools group
+(`placement.tools`), on its ranks: `tools` is then the `tools_group.RemoteToolBox` the rollout controller built,
+and this rank imports no tool and runs no call.
 """
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ from yatt_hpc.rollout.engine import GenerationRequest, GenerationResult
 
 
 class RolloutAgent:
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, tools=None) -> None:
         from yatt_hpc.data.tokenizer import load_tokenizer  # transformers, for an HF tokenizer: only with agent:
 
         template = Path(cfg.data.chat_template).read_text(encoding="utf-8") if cfg.data.chat_template else None
-        toolbox = build_toolbox(cfg.agent) if cfg.agent.tools else None
+        toolbox = tools if tools is not None else build_toolbox(cfg.agent) if cfg.agent.tools else None
         self.loop = AgentLoop(cfg.agent, load_tokenizer(cfg.model.path), max_new_tokens=cfg.rollout.max_new_tokens,
                               engine_seed=cfg.train.seed, toolbox=toolbox, template=template)
         self.toolbox = toolbox
@@ -58,5 +59,6 @@ def extra_columns(extra: dict | None, sample_ids: np.ndarray) -> dict[str, np.nd
             "env_reward": np.array([extra["env_reward"][s] for s in ids], np.float32)}
 
 
-def build_rollout_agent(cfg) -> RolloutAgent | None:
-    return RolloutAgent(cfg) if cfg.agent.enabled else None
+def build_rollout_agent(cfg, tools=None) -> RolloutAgent | None:
+    """The agent of a rollout rank (None without `agent:`); `tools` runs the calls elsewhere (the tools group)."""
+    return RolloutAgent(cfg, tools) if cfg.agent.enabled else None

@@ -46,6 +46,9 @@ TAG_COUNT = 16  # trainer -> genrm: groups to keep, then (rollout rank, samples)
 TAG_STOP = 17  # genrm -> rollout: [owner] target met, drop that replica's remaining work (over-dispatch)
 TAG_END = 18  # rollout -> genrm: [owner, samples sent, samples aborted], the answer to one TAG_STOP
 TAG_WEIGHTS_DONE = 19  # rollout -> trainer: [tensors] an ipc weight bucket is copied and loaded
+TAG_TOOL_CALLS = 20  # rollout -> tools: a turn's tool calls, JSON (agent/tools_group.py)
+TAG_TOOL_RESULTS = 21  # tools -> rollout: their outcomes, JSON, in the calls' order
+TAG_TOOLS_DONE = 22  # rollout -> every tool rank: [rollout group rank] no more calls in this wave
 
 
 def pack(batch: SampleBatch) -> np.ndarray:

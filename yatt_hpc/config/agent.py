@@ -77,7 +77,8 @@ class AgentConfig(Section):
     """Multi-turn rollouts: the policy calls tools (or acts in an environment) until it answers."""
 
     tools: list[ToolSpec] = []
-    """The tools the policy may call; their calls run in a thread pool on the rollout rank."""
+    """The tools the policy may call; their calls run in a thread pool on the rollout rank, or on the tools
+    group's ranks (`placement.tools`)."""
     environment: str | None = None
     """`package.module:Class` of an environment: one instance per trajectory, `reset(row)` with the prompt row
     (dict: prompt, answer, metadata), then `step(text)` with each model turn that calls no tool, returning
@@ -97,7 +98,8 @@ class AgentConfig(Section):
     tool_timeout_s: float = Field(10.0, gt=0, le=3600)
     """A Python tool call that has not returned after this long is reported to the model as a timeout."""
     tool_workers: int = Field(4, ge=1, le=256)
-    """Threads of the rollout rank's tool pool (the calls of one turn run concurrently)."""
+    """Threads of the tool pool (the calls of one turn run concurrently): on each rollout rank, or on each rank of
+    the tools group (`placement.tools`)."""
     max_tool_output_chars: int = Field(2000, ge=16)
     """Characters of one tool result the model reads; the rest is cut and says so."""
     sandbox: SandboxConfig = SandboxConfig()
@@ -134,9 +136,26 @@ class AgentConfig(Section):
 
 
 def check_agent_fits(cfg) -> None:
-    """`RunConfig`'s check of an enabled `agent:` section against the other sections (ValueError naming the fix)."""
-    if (problem := agent_cross_problem(cfg)) is not None:
+    """`RunConfig`'s check of an enabled `agent:` section (and of a tools group) against the other sections
+    (ValueError naming the fix)."""
+    if (problem := agent_cross_problem(cfg) or tools_group_problem(cfg)) is not None:
         raise ValueError(problem)
+
+
+def tools_group_problem(cfg) -> str | None:
+    """What a tools group (`placement.tools.tasks_per_node` > 0) cannot run with, or None."""
+    pt = cfg.placement.tools
+    if not pt.enabled:
+        return None
+    f = f"placement.tools.tasks_per_node={pt.tasks_per_node}"
+    if not cfg.agent.tools:
+        return (f"{f} makes a tools group, but agent.tools is empty: the group runs the agent's tool calls and "
+                "there are none; add agent.tools or set placement.tools.tasks_per_node=0")
+    if cfg.placement.dynamic_split.enabled:
+        return (f"{f} with placement.dynamic_split.enabled: a dynamic split changes which pool ranks generate every "
+                "step, and the tools group serves a fixed set of rollout ranks; set placement.dynamic_split.enabled="
+                "false or placement.tools.tasks_per_node=0 (calls then run on the rollout ranks)")
+    return None
 
 
 def agent_cross_problem(cfg) -> str | None:

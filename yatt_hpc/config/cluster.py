@@ -41,7 +41,7 @@ class SlurmConfig(Section):
     """Longest the batch launcher waits for `srun` to return once every rank of the step has recorded its exit;
     past it srun is ended and the job finishes with the ranks' own exit codes (Slurm before 24.11 can leave a
     heterogeneous `--mpi=pmix` step's srun waiting forever: SchedMD ticket 16817)."""
-    extra_flags: dict[Literal["trainer", "rollout", "genrm"], list[str]] = Field(default_factory=dict)
+    extra_flags: dict[Literal["trainer", "rollout", "genrm", "tools"], list[str]] = Field(default_factory=dict)
     """Extra `#SBATCH` flags per group, e.g. `{trainer: ["--constraint=h200"]}`."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables the job script exports before the launch, e.g. `{OMPI_MCA_btl: "self,tcp"}`

@@ -1,4 +1,4 @@
-"""The `placement:` section of a run's config: where the trainer, rollout and GenRM groups run, in what shape.
+"""The `placement:` section of a run's config: where the trainer, rollout, GenRM and tools groups run, in what shape.
 
     from yatt_hpc.config import load_config
     cfg = load_config("configs/demo_cpu.yaml", overrides=["placement.mode=partial", "placement.rollout.tasks_per_node=2"])
@@ -49,6 +49,26 @@ class EnginePlacement(GroupPlacement):
     """Rollout or GenRM group: engine replicas laid out tp-pp-dp (one controller rank per replica)."""
 
 
+class ToolsPlacement(Section):
+    """The tools group: CPU ranks that run the agent's tool calls for the rollout ranks (docs/agentic.md)."""
+
+    nodes: int = Field(1, ge=1)
+    """Nodes the group spans: its own nodes in `disjoint` (a heterogeneous component without GPUs), the other
+    groups' nodes in colocate/partial (then it must equal their `nodes`)."""
+    tasks_per_node: int = Field(0, ge=0)
+    """Tool ranks per node; 0 (the default) makes no tools group: the calls run in a thread pool on each rollout
+    rank. With ranks, every rollout rank sends its tool calls to them over MPI and runs none itself. Needs
+    `agent.tools`."""
+    cpus_per_task: int = Field(1, ge=1)
+    """CPU cores Slurm reserves for each tool rank (its `agent.tool_workers` threads and their sandboxes)."""
+    mem: str | None = None
+    """Memory per node for Slurm (e.g. `16G`); null leaves Slurm's default."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.tasks_per_node > 0
+
+
 class DynamicSplitConfig(Section):
     """`partial` placement: rollout and GenRM ranks form one pool of engine replicas, re-split every step."""
 
@@ -66,7 +86,7 @@ class DynamicSplitConfig(Section):
 
 
 class PlacementConfig(Section):
-    """Where the three groups run."""
+    """Where the groups run."""
 
     mode: Literal["colocate", "partial", "disjoint"] = "colocate"
     """`colocate`: rollout, GenRM and train take the same devices in turn. `partial`: rollout and GenRM
@@ -78,6 +98,8 @@ class PlacementConfig(Section):
     """Rollout group shape."""
     genrm: EnginePlacement = EnginePlacement()
     """GenRM group shape."""
+    tools: ToolsPlacement = ToolsPlacement()
+    """Tools group shape (`tasks_per_node: 0`, the default: no tools group)."""
     dynamic_split: DynamicSplitConfig = DynamicSplitConfig()
     """Dynamic rollout/GenRM split of the engine pool (`partial` only; off by default)."""
     node_cpus: int | None = Field(None, ge=1)

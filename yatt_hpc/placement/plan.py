@@ -2,13 +2,15 @@
 
     from yatt_hpc.placement import plan
     p = plan(cfg)                      # raises PlanError for impossible layouts
-    p.group_of(world_rank)             # -> "trainer" | "rollout" | "genrm"
+    p.group_of(world_rank)             # -> "trainer" | "rollout" | "genrm" | "tools"
 
 No environment reads, no files: `yatt-hpc plan` prints exactly what `run`/`submit` will use.
 
-World-rank order is trainer, rollout, genrm, so world rank 0 (the leader, decisions only) is
-trainer rank 0. Layouts follow WeChat-YATT: the trainer is Megatron tp-cp-dp-pp (tp fastest),
-rollout and GenRM are tp-pp-dp where one MPI rank controls one engine replica of tp*pp devices.
+World-rank order is trainer, rollout, genrm, then tools (only with `placement.tools.tasks_per_node` > 0),
+so world rank 0 (the leader, decisions only) is trainer rank 0. Layouts follow WeChat-YATT: the trainer is
+Megatron tp-cp-dp-pp (tp fastest), rollout and GenRM are tp-pp-dp where one MPI rank controls one engine
+replica of tp*pp devices. Tool ranks are CPU-only, one rank per `dp` index; in `disjoint` they are a
+heterogeneous component of their own.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 from yatt_hpc.config.placement import GroupPlacement
 from yatt_hpc.config.schema import RunConfig
 
-GROUPS = ("trainer", "rollout", "genrm")
+GROUPS = ("trainer", "rollout", "genrm", "tools")
+ENGINE_GROUPS = ("rollout", "genrm")
 
 
 class PlanError(ValueError):
@@ -74,7 +77,7 @@ class GroupPlan:
         return out
 
     def _rank_dims(self) -> tuple[tuple[str, int], ...]:
-        # engine replicas own their tp*pp devices inside one rank: only dp spans ranks
+        # engine replicas own their tp*pp devices inside one rank (tool ranks own none): only dp spans ranks
         return self.layout if self.name == "trainer" else (("dp", self.size("dp")),)
 
 
@@ -144,6 +147,17 @@ class Plan:
                 return g
         raise KeyError(name)
 
+    def has_group(self, name: str) -> bool:
+        return any(g.name == name for g in self.groups)
+
+    @property
+    def tool_ranks(self) -> range:
+        """World ranks of the tools group (empty without one: the rollout ranks run their tool calls)."""
+        if not self.has_group("tools"):
+            return range(0)
+        g = self.group("tools")
+        return range(g.rank_start, g.rank_stop)
+
     def group_of(self, world_rank: int) -> str:
         for g in self.groups:
             if g.rank_start <= world_rank < g.rank_stop:
@@ -153,23 +167,29 @@ class Plan:
 
 
 def plan(cfg: RunConfig) -> Plan:
-    """Lay out trainer, rollout and GenRM ranks for `cfg.placement`; raise PlanError if impossible."""
+    """Lay out trainer, rollout, GenRM (and tool) ranks for `cfg.placement`; raise PlanError if impossible."""
     pc = cfg.placement
     sections = {"trainer": pc.trainer, "rollout": pc.rollout, "genrm": pc.genrm}
     layouts = {"trainer": _trainer_layout(pc.trainer)}
-    for name in ("rollout", "genrm"):
+    for name in ENGINE_GROUPS:
         layouts[name] = _engine_layout(name, sections[name])
     _check_shared_nodes(pc.mode, sections)
+    _check_tools(cfg)
     _check_dynamic_split(cfg)
     _check_batch(cfg, layouts["trainer"])
     kind = "het_component" if pc.mode == "disjoint" else "shared_allocation"
     groups, start = [], 0
-    for index, name in enumerate(GROUPS):
+    for index, name in enumerate(GROUPS[:3]):
         gp = sections[name]
         groups.append(GroupPlan(name, gp.nodes, gp.tasks_per_node, gp.devices_per_task, gp.cpus_per_task,
                                 gp.mem, layouts[name], start, SlurmShape(kind, index)))
         start += gp.nodes * gp.tasks_per_node
-    out = Plan(pc.mode, tuple(groups), dynamic_split=pc.dynamic_split.enabled, node_cpus=_node_cpus(pc, groups))
+    node_cpus = _node_cpus(pc, groups)  # the groups that take the devices in turn: tool ranks run no torch
+    tools = pc.tools
+    if tools.enabled:  # after GenRM: no rank of the three groups moves, whatever the tools group's size
+        groups.append(GroupPlan("tools", tools.nodes, tools.tasks_per_node, 0, tools.cpus_per_task, tools.mem,
+                                (("dp", tools.nodes * tools.tasks_per_node),), start, SlurmShape(kind, len(groups))))
+    out = Plan(pc.mode, tuple(groups), dynamic_split=pc.dynamic_split.enabled, node_cpus=node_cpus)
     from yatt_hpc.placement.weight_transport import weight_pairs  # it builds on this module
 
     weight_pairs(out, cfg.rollout.weight_transport, cfg.rollout.engine)  # refuses a transport that cannot work
@@ -250,6 +270,18 @@ def _check_shared_nodes(mode: str, sections: dict[str, GroupPlacement]) -> None:
         raise PlanError("placement.mode=partial: rollout and GenRM split the trainer's devices, but "
                         f"rollout {dev['rollout']} + genrm {dev['genrm']} != trainer {dev['trainer']} devices per "
                         "node; adjust placement.rollout/genrm tasks_per_node or devices_per_task")
+
+
+def _check_tools(cfg: RunConfig) -> None:
+    """A tools group shares the other groups' nodes unless placement is disjoint (that it has tools to run and
+    no dynamic split is the config's check: `config/agent.py`)."""
+    pc, f = cfg.placement, "placement.tools"
+    if not pc.tools.enabled:
+        return
+    if pc.mode != "disjoint" and pc.tools.nodes != pc.trainer.nodes:
+        raise PlanError(f"placement.mode={pc.mode} puts every group on the same nodes, but {f}.nodes={pc.tools.nodes} "
+                        f"and placement.trainer.nodes={pc.trainer.nodes}; set {f}.nodes={pc.trainer.nodes}, or use "
+                        "placement.mode=disjoint to give the tools group nodes of its own")
 
 
 def _check_dynamic_split(cfg: RunConfig) -> None:

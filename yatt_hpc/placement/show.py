@@ -49,8 +49,12 @@ def what_runs(cfg: RunConfig) -> list[str]:
     if a.enabled:
         names = ", ".join(t.name or t.function for t in a.tools) or "none"
         env = f", environment {a.environment}" if a.environment else ""
+        pt = cfg.placement.tools
+        where = (f"calls run on the tools group's {pt.nodes * pt.tasks_per_node} rank(s), {a.tool_workers} threads each "
+                 "(the rollout ranks run none)" if pt.enabled else
+                 f"calls run in {a.tool_workers} threads on each rollout rank (no tools group)")
         lines.append(f"agent: up to {a.max_turns} model turns in {a.max_response_tokens} response tokens; tools {names}{env}; "
-                     f"calls run in {a.tool_workers} threads on each rollout rank (no tools group)")
+                     + where)
     if r.max_staleness:
         s = r.max_staleness
         old = "the trainer's recomputed log-probs" if cfg.train.off_policy.proximal == "recompute" else \
@@ -128,7 +132,7 @@ def print_plan(p: Plan, run_dir: str, console: Console, python: str = "python3",
     for line in filter(None, lines):
         console.print(line, markup=False, highlight=False)
     if p.node_cpus is not None:
-        threads = ", ".join(f"{g.name} {p.phase_threads(g.name)[1]}" for g in p.groups)
+        threads = ", ".join(f"{g.name} {p.phase_threads(g.name)[1]}" for g in p.groups if g.name != "tools")
         console.print(f"colocated phases take turns on {p.node_cpus} CPU cores per node (placement.node_cpus): "
                       f"threads per rank in its phase {threads}", markup=False, highlight=False)
     if p.dynamic_split:

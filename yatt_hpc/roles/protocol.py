@@ -35,6 +35,9 @@ Point-to-point traffic of a wave (tags in `comm/transport.py`), around those gat
     partial rollouts (training waves): no STOP/END; the rollout ranks generate in segments, each followed by an
                    Iallreduce on the rollout group (which replicas have their groups), then send every row;
                    GenRM waits for all of them and sends the owner its kept groups scored and the rest as they are
+    tools group    rollout: TAG_TOOL_CALLS -> a tool rank, <- TAG_TOOL_RESULTS (per agent turn), then
+                   TAG_TOOLS_DONE -> every tool rank before `gate generated`; a tool rank serves until every
+                   rollout rank is done, then crosses both gates (agent/tools_group.py)
     after the waves the trainers send TAG_WEIGHTS to the rollout ranks that generate next (no agreement);
                    by transport (comm/weight_sync.py): bytes, or manifests beside a pair group's broadcasts,
                    or CUDA IPC handles each answered by TAG_WEIGHTS_DONE
@@ -156,6 +159,12 @@ class StepProtocol:
         self._wave_gate += 1
         if self.colocate:
             self.gates.cross(name)
+
+    def pass_gates(self) -> None:
+        """Cross both gates of the wave with nothing between them: a role whose work ends before the wave's
+        first gate (the tools group, once every rollout rank has sent its last call)."""
+        self.gate(GENERATED)
+        self.gate(SCORED)
 
     # ------------------------------------------------------------------ the check
 

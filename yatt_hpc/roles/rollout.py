@@ -64,7 +64,14 @@ class RolloutController(PartialSegments, BaseController):
         self.engine = build_engine(cfg.rollout.engine, cfg.model.path, device=rank_device(world),
                                    tp_size=world.plan.group("rollout").size("tp"), seed=cfg.train.seed,
                                    **rollout_engine_options(world, cfg))
-        self.agent = build_rollout_agent(cfg)  # multi-turn rollouts with tools (agent:), else None
+        self.remote_tools = None  # the tools group's client: the calls run there, not here
+        if world.plan.tool_ranks:
+            from yatt_hpc.agent.tools_group import RemoteToolBox, check_tool_threads
+
+            check_tool_threads(cfg)
+            self.remote_tools = RemoteToolBox(world.comm, world.plan.tool_ranks, world.group_rank)
+        # multi-turn rollouts with tools (agent:), else None
+        self.agent = build_rollout_agent(cfg, tools=self.remote_tools)
         if self.colocate:
             self.engine.release_memory()  # the trainer builds first; the engine wakes for its phase
         self.stops = StopWatch(world.comm, self.engine)  # over-dispatch STOPs, whichever way it generates
@@ -133,6 +140,8 @@ class RolloutController(PartialSegments, BaseController):
                 self.stats.hold(-len(index))
                 released += len(index)
         self.stats.hold(released - len(prompts))  # groups dropped before they were generated
+        if self.remote_tools is not None:
+            self.remote_tools.end_wave()  # before the gate: the tool ranks cross it once every rollout rank is done
         self.protocol.gate(GENERATED)
         sender.drain()
         self.stats.values["stream_inflight_max"] = max(self.stats.values.get("stream_inflight_max", 0.0),

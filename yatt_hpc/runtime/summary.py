@@ -86,6 +86,8 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
     out.update(_agent(reports))
     for group in GROUPS:
         members = [r for r in reports if r["group"] == group]
+        if not members:  # the tools group, when there is none
+            continue
         busy = sum(sum(r["times"].values()) for r in members) / max(len(members), 1)
         out[f"time/bubble_pct/{group}"] = 100.0 * max(0.0, 1.0 - busy / max(step_seconds, 1e-9))
         out[f"memory/peak_rss_mb/{group}"] = max(r["peak_rss_mb"] for r in members)
@@ -109,12 +111,18 @@ def _off_policy(reports: list[dict]) -> dict[str, float]:
 
 def _agent(reports: list[dict]) -> dict[str, float]:
     """`agent/...`: multi-turn rollouts (agent:): turns per trajectory, tool calls and their outcomes, the mean
-    tool latency, the share of trajectories with a successful call, tokens the model did not sample (masked)."""
+    tool latency (a call's own seconds, wherever it ran), the share of trajectories with a successful call, tokens
+    the model did not sample (masked); with a tools group, the calls its ranks ran and the longest time one of
+    them spent running calls in the step."""
     trajectories = _sum(reports, "agent_trajectories", "rollout")
     if not trajectories:
         return {}
     calls = _sum(reports, "agent_tool_calls", "rollout")
-    return {"agent/turns_mean": _sum(reports, "agent_turns", "rollout") / trajectories,
+    group = {}
+    if any(r["group"] == "tools" for r in reports):  # placement.tools: the calls ran on the tools group's ranks
+        group = {"agent/tools_group_calls": _sum(reports, "tools_served_calls", "tools"),
+                 "time/tools": _max_time(reports, "tools", "tools")}
+    return group | {"agent/turns_mean": _sum(reports, "agent_turns", "rollout") / trajectories,
             "agent/tool_calls": calls,
             "agent/tool_calls_per_trajectory": calls / trajectories,
             "agent/tool_errors": _sum(reports, "agent_tool_error", "rollout"),

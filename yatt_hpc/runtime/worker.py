@@ -1,4 +1,4 @@
-"""The program every rank runs: join the MPI world, become a trainer, rollout or GenRM controller.
+"""The program every rank runs: join the MPI world, become a trainer, rollout, GenRM or tools controller.
 
     python -m yatt_hpc.runtime.worker --group trainer --run-dir RUN_DIR     # one rank; see `yatt-hpc plan`
 
@@ -77,6 +77,10 @@ def build_controller(world, cfg, run_dir: Path, stats, protocol):
         from yatt_hpc.roles.trainer import TrainerController
 
         return TrainerController(world, cfg, run_dir, stats, protocol)
+    if world.group == "tools":  # the tools group: runs the rollout ranks' tool calls (placement.tools)
+        from yatt_hpc.agent.tools_group import ToolsController
+
+        return ToolsController(world, cfg, stats, protocol)
     if world.plan.dynamic_split:  # rollout and GenRM ranks form one pool; each step says who does what
         from yatt_hpc.roles.pool import PoolController
 

@@ -1,0 +1,232 @@
+"""The tools group: CPU ranks that run the agent's tool calls for the rollout ranks over MPI (`placement.tools`).
+
+    box = RemoteToolBox(world.comm, tool_ranks=plan.tool_ranks, me=world.group_rank)   # a rollout rank
+    outcomes = box.run(calls)                 # as ToolBox.run: one ToolOutcome per call, in order
+    box.end_wave()                            # before the wave's gate: every tool rank may stop serving it
+
+    ctl = ToolsController(world, cfg, stats, protocol)       # a rank of the tools group (runtime/worker.py)
+    ctl.step(step)                            # serve calls until every rollout rank ended the wave
+
+Test: .venv/bin/python -m pytest tests/unit/test_tools_group.py tests/mpi/test_tool_calls.py
+
+A turn's calls (the JSON objects the model wrote, or the error text of a malformed one) go as one JSON message per
+tool rank (TAG_TOOL_CALLS): the calls are cut into contiguous slices, one per tool rank, the first slice to a rank
+that turns with the rollout rank and the turn, so small turns of many rollout ranks spread over the group. A tool
+rank takes every request that is waiting, runs all their calls in one `ToolBox.run` (its `agent.tool_workers`
+threads, its sandboxes, its timeouts), and answers each request with the outcomes of its calls (TAG_TOOL_RESULTS).
+The rollout rank's `AgentLoop` reads the outcomes as it reads its own pool's: the same `ToolBox` code makes the
+same text, status and cut, so with deterministic tools a run with a tools group is bitwise the run without one.
+
+The wave's messages, in order: rollout -> tools TAG_TOOL_CALLS, tools -> rollout TAG_TOOL_RESULTS (any number,
+one answer per request), then once per wave rollout -> every tool rank TAG_TOOLS_DONE, sent before the rollout
+rank's `gate generated`. A tool rank walks the step protocol like a GenRM rank: it serves until every rollout
+rank said done, then crosses the wave's gates, agrees on more waves, reports, saves. Every wait is polled
+(`comm.transport`), so a stop signal, the stop watchdog's give-up and a failing rank's MPI_Abort reach a tool
+rank as they reach GenRM. Tool ranks import neither torch nor an engine; their checkpoint is their RNG.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from yatt_hpc.agent.tools import ToolCall, ToolOutcome, build_toolbox
+from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
+from yatt_hpc.comm.doorbell import DOORBELL
+from yatt_hpc.comm.transport import (
+    TAG_TOOL_CALLS,
+    TAG_TOOL_RESULTS,
+    TAG_TOOLS_DONE,
+    recv_ints,
+    send_ints,
+    wait_all,
+    wait_for_any,
+    wait_for_message,
+)
+
+log = logging.getLogger(__name__)
+MAX_BATCHED = 64  # requests a tool rank takes into one pool run (the rest wait for the next)
+
+
+def encode_calls(calls: Sequence[ToolCall | str]) -> bytes:
+    """A turn's calls as JSON: {"name", "arguments"} per call, {"error": text} for a malformed one."""
+    return json.dumps([{"error": c} if isinstance(c, str) else {"name": c.name, "arguments": c.arguments}
+                       for c in calls]).encode()
+
+
+def decode_calls(data: bytes) -> list[ToolCall | str]:
+    return [c["error"] if "error" in c else ToolCall(c["name"], c["arguments"]) for c in json.loads(data)]
+
+
+def encode_outcomes(outcomes: Sequence[ToolOutcome]) -> bytes:
+    return json.dumps([[o.name, o.content, o.status, o.seconds] for o in outcomes]).encode()
+
+
+def decode_outcomes(data: bytes) -> list[ToolOutcome]:
+    return [ToolOutcome(name, content, status, float(seconds)) for name, content, status, seconds in json.loads(data)]
+
+
+def send_bytes(comm, dest: int, tag: int, data: bytes):
+    """Start sending `data` (kept alive by the returned pair until the request completes)."""
+    buf = np.frombuffer(data, np.uint8)
+    return comm.Isend(buf, dest=dest, tag=tag), buf
+
+
+def recv_bytes(comm, source: int, tag: int) -> tuple[bytes, int]:
+    """One message of bytes (waited for, polled); returns it with its sender."""
+    status = MPI.Status()
+    wait_for_message(comm, source, tag, status)
+    out = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+    comm.Recv(out, source=status.Get_source(), tag=tag)
+    return out.tobytes(), status.Get_source()
+
+
+def call_slices(n: int, ranks: int, first: int) -> list[tuple[int, int, int]]:
+    """(tool rank index, start, stop) of n calls cut into at most `ranks` contiguous, nearly equal slices,
+    the first going to tool rank `first` (mod ranks); empty slices are left out."""
+    out, start = [], 0
+    for k in range(ranks):
+        stop = start + n // ranks + (1 if k < n % ranks else 0)
+        if stop > start:
+            out.append(((first + k) % ranks, start, stop))
+        start = stop
+    return out
+
+
+def check_tool_threads(cfg) -> None:
+    """With over-dispatch a helper thread takes STOPs while the loop thread waits on the tools group's answers:
+    two threads talking MPI at once, which only an MPI of THREAD_MULTIPLE allows."""
+    if cfg.rollout.over_dispatch_ratio > 1.0 and MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        from yatt_hpc.errors import InputError  # the registry of user errors imports most of the library
+
+        raise InputError(f"rollout.over_dispatch_ratio={cfg.rollout.over_dispatch_ratio:g} with a tools group "
+                         f"(placement.tools.tasks_per_node={cfg.placement.tools.tasks_per_node}) needs an MPI with "
+                         f"THREAD_MULTIPLE, and this one gives thread level {MPI.Query_thread()}; use an MPI built with "
+                         "thread support, set rollout.over_dispatch_ratio=1, or placement.tools.tasks_per_node=0")
+
+
+class RemoteToolBox:
+    """`ToolBox`'s `run` on a rollout rank, the calls executed by the tools group."""
+
+    def __init__(self, comm, tool_ranks: Sequence[int], me: int) -> None:
+        self.comm, self.tool_ranks, self.me = comm, list(tool_ranks), me
+        self.turns = 0
+
+    def run(self, calls: Sequence[ToolCall | str]) -> list[ToolOutcome]:
+        if not calls:
+            return []
+        slices = call_slices(len(calls), len(self.tool_ranks), self.me + self.turns)
+        self.turns += 1
+        sends = [send_bytes(self.comm, self.tool_ranks[k], TAG_TOOL_CALLS, encode_calls(calls[a:b]))
+                 for k, a, b in slices]
+        for k, _, _ in slices:
+            DOORBELL.ring(self.comm, self.tool_ranks[k])
+        out: list[ToolOutcome] = []
+        for k, a, b in slices:  # a tool rank answers one rollout rank's requests in the order they came
+            data, _ = recv_bytes(self.comm, self.tool_ranks[k], TAG_TOOL_RESULTS)
+            got = decode_outcomes(data)
+            assert len(got) == b - a, (len(got), a, b)
+            out += got
+        wait_all([req for req, _ in sends])
+        return out
+
+    def end_wave(self) -> None:
+        """This rank sends no more calls in the wave: every tool rank may cross the wave's gates."""
+        for rank in self.tool_ranks:
+            send_ints(self.comm, rank, TAG_TOOLS_DONE, [self.me])
+
+    def close(self) -> None:
+        """Nothing to free: the tool ranks' pools end with them."""
+
+
+class ToolsController:
+    """A rank of the tools group: the step loop's controller interface (`roles/base.BaseController`'s), serving
+    tool calls in each wave. No engine, no weights, no data: its checkpoint is its RNG."""
+
+    shard: dict[str, int] = {}
+
+    def __init__(self, world, cfg, stats, protocol) -> None:
+        self.world, self.cfg, self.stats, self.protocol = world, cfg, stats, protocol
+        self.toolbox = build_toolbox(cfg.agent)  # imports the tools, probes the sandbox: here, never on a rollout rank
+        rollout = world.plan.group("rollout")
+        self.clients = range(rollout.rank_start, rollout.rank_stop)
+        log.info("tools rank serves rollout ranks %d-%d with %s (%d workers)", self.clients.start,
+                 self.clients.stop - 1, ", ".join(self.toolbox.tools), cfg.agent.tool_workers)
+
+    @property
+    def identity(self) -> str:
+        return f"tools/r{self.world.group_rank}"
+
+    def step(self, step: int) -> None:
+        self.protocol.waves(self.wave)
+
+    def evaluate(self, step: int) -> None:
+        """Validation's waves: the rollout ranks call tools there too."""
+        with self.stats.aside("eval"):
+            self.protocol.waves(self.wave)
+
+    def wave(self) -> bool:
+        self.serve()
+        self.protocol.pass_gates()  # colocate: the rollout ranks ended their wave, so nothing waits on us
+        return False  # the tools group never asks for another wave
+
+    def serve(self) -> None:
+        """Run calls until every rollout rank ended the wave."""
+        done: set[int] = set()
+        while len(done) < len(self.clients):
+            if wait_for_any(self.world.comm, [TAG_TOOL_CALLS, TAG_TOOLS_DONE]) == TAG_TOOLS_DONE:
+                done.add(recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_TOOLS_DONE)[1])
+                continue
+            requests = [recv_bytes(self.world.comm, MPI.ANY_SOURCE, TAG_TOOL_CALLS)]
+            while len(requests) < MAX_BATCHED and self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_TOOL_CALLS):
+                requests.append(recv_bytes(self.world.comm, MPI.ANY_SOURCE, TAG_TOOL_CALLS))
+            self.answer(requests)
+
+    def answer(self, requests: list[tuple[bytes, int]]) -> None:
+        """All waiting requests' calls in one pool run; each request gets its outcomes back."""
+        calls = [decode_calls(data) for data, _ in requests]
+        with self.stats.phase("tools"):
+            outcomes = self.toolbox.run([c for part in calls for c in part])
+        self.stats.add("tools_served_calls", len(outcomes))
+        self.stats.add("tools_served_requests", len(requests))
+        start, sends = 0, []
+        for part, (_, source) in zip(calls, requests):
+            sends.append(send_bytes(self.world.comm, source, TAG_TOOL_RESULTS,
+                                    encode_outcomes(outcomes[start:start + len(part)])))
+            start += len(part)
+        for _, source in requests:
+            DOORBELL.ring(self.world.comm, source)
+        wait_all([req for req, _ in sends])
+
+    # ------------------------------------------------------------------ the step loop's hooks (BaseController's)
+
+    def set_routes(self, routes) -> None:
+        """Routes do not concern the tools group (a dynamic split is refused with one)."""
+
+    def light_state(self, step: int) -> dict:
+        return {"rng": capture_rng()}
+
+    def checkpoint_state(self, step: int, light: dict | None = None) -> RankState:
+        return RankState(self.identity, **(light if light is not None else self.light_state(step)))
+
+    def watch_mutations(self, guard) -> None:
+        """Nothing beyond `light_state` is checkpointed."""
+
+    def restore(self, restored) -> None:
+        if restored.found:
+            restore_rng(restored.rng)
+
+    def load_weights(self, loaded) -> None:
+        """No weights on a tool rank."""
+
+    def after_resume(self, step: int) -> None:
+        """Nothing to re-establish: every wave starts from the rollout ranks' calls."""
+
+    def rewind_logs(self, step: int) -> None:
+        """No per-step logs."""
+
+    def close(self) -> None:
+        self.toolbox.close()
