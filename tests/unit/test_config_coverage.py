@@ -83,6 +83,7 @@ EFFECT: dict[str, str] = {
     "train.critic.head_init_std": f"{CRITIC}::test_a_new_head_is_drawn_with_head_init_std_and_zero_starts_at_zero",
     "train.critic.lam": f"{GAE}::test_the_train_config_chooses_gamma_lambda_and_whitening",
     "train.critic.whiten_advantages": f"{GAE}::test_the_train_config_chooses_gamma_lambda_and_whitening",
+    "train.critic.level": f"{GAE}::test_the_train_config_chooses_the_gae_level",
     "train.critic.value_clip": f"{CRITIC}::test_value_clip_holds_the_loss_around_the_old_values",
     "train.critic.warmup_steps": "tests/mpi/test_critic_run.py::test_ppo_with_a_critic_learns_the_demo_and_resumes_bitwise",
     "train.critic.lr": f"{GAE}::test_the_critics_learning_rate_follows_its_own_schedule",

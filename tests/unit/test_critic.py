@@ -55,9 +55,12 @@ def test_values_are_the_same_on_shared_prompts_and_padded_rows_and_the_update_fi
     assert stats.optimizer_steps == 1 and stats.tokens == float(batch.response_len.sum())
 
 
-@pytest.mark.parametrize("share", [True, False], ids=["shared-prompts", "padded"])
-def test_tool_result_tokens_carry_no_value_loss(one_rank_world, share):
-    """An agent's tool results (response_mask 0) are out of the value loss: their returns can be anything."""
+@pytest.mark.parametrize("share, level", [(True, "token"), (False, "token"), (True, "turn")],
+                         ids=["shared-prompts", "padded", "turn-level"])
+def test_tool_result_tokens_carry_no_value_loss(one_rank_world, share, level):
+    """An agent's tool results (response_mask 0) are out of the value loss: their returns can be anything; at
+    `critic.level: turn` so are all but each model turn's first token."""
+    from yatt_hpc.algos.gae import value_positions
     from yatt_hpc.train.step_plan import whole_batch_plan
 
     batch, _ = random_update_batch(104, samples=6)
@@ -65,15 +68,33 @@ def test_tool_result_tokens_carry_no_value_loss(one_rank_world, share):
     batch.response_mask = (rng.random(batch.response_mask.size) < 0.6).astype(np.uint8)
     masks = batch.ragged("response_mask")
     returns = [np.full(n, 0.5, np.float32) for n in batch.response_len]
-    wild = [np.where(m > 0, r, 50.0).astype(np.float32) for r, m in zip(returns, masks)]
-    plan = whole_batch_plan(batch, _critic(share_prompts=share).cfg)
-    a, b = _critic(share_prompts=share), _critic(share_prompts=share)
+    positions = [value_positions(m, level) for m in masks]
+    wild = [np.where(p, r, 50.0).astype(np.float32) for r, p in zip(returns, positions)]
+    plan = whole_batch_plan(batch, _critic(share_prompts=share, level=level).cfg)
+    a, b = _critic(share_prompts=share, level=level), _critic(share_prompts=share, level=level)
     old = a.values(batch)
     stats_a, stats_b = a.update_values(batch, old, returns, plan), b.update_values(batch, old, wild, plan)
-    assert stats_a.tokens == stats_b.tokens == float(batch.response_mask.sum())
+    assert stats_a.tokens == stats_b.tokens == float(sum(p.sum() for p in positions))
     assert stats_a.loss == stats_b.loss
     for x, y in zip(a.values(batch), b.values(batch)):
         np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("level", ["token", "turn"])
+def test_the_value_loss_is_a_mean_over_the_tokens_it_covers(one_rank_world, level):
+    """Returns one above the values where the loss looks: 0.5 (V - R)^2 = 0.5 whatever the level, because the
+    token-mean divides by the tokens the level covers (`step_plan.value_tokens`), not every response token."""
+    from yatt_hpc.algos.gae import value_positions
+    from yatt_hpc.train.step_plan import plan_update, value_tokens
+
+    batch, _ = random_update_batch(104, samples=6)
+    batch.response_mask = np.tile([1, 1, 1, 0], batch.response_mask.size)[:batch.response_mask.size].astype(np.uint8)
+    critic = _critic(share_prompts=True, level=level)
+    old = critic.values(batch)
+    returns = [(v + value_positions(m, level)).astype(np.float32) for v, m in zip(old, batch.ragged("response_mask"))]
+    plan = plan_update(batch, critic.cfg, 1, gather=lambda items: items, reduce=lambda values: values,
+                       tokens=value_tokens(batch, level))
+    assert critic.update_values(batch, old, returns, plan).loss == pytest.approx(0.5, rel=1e-5)
 
 
 def test_value_clip_holds_the_loss_around_the_old_values(one_rank_world):

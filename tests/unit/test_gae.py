@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from tests.batches import random_update_batch
-from yatt_hpc.algos.gae import estimate_gae, explained_variance, gae_one, value_loss, value_sums
+from yatt_hpc.algos.gae import (
+    estimate_gae,
+    explained_variance,
+    gae_one,
+    turn_spans,
+    value_loss,
+    value_positions,
+    value_sums,
+)
 from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.train.step_plan import critic_lr, step_gae
 
@@ -130,6 +138,29 @@ def test_multi_turn_gae_equals_verls_masked_recursion(gamma, lam):
         assert not ours.advantages[i][~m].any()
 
 
+def test_turn_level_gae_by_hand():
+    # turns: tokens 0-1, tool result 2-3, tokens 4-6; V at the turns' first tokens 0.5 and 0.6
+    values = np.array([0.5, 7.0, 9.0, -9.0, 0.6, 3.0, 4.0])
+    sampled = np.array([1, 1, 0, 0, 1, 1, 1])
+    assert turn_spans(sampled) == [(0, 2), (4, 7)]
+    assert value_positions(sampled, "turn").tolist() == [True, False, False, False, True, False, False]
+    assert value_positions(sampled, "token").tolist() == (sampled > 0).tolist()
+    # penalties 0.1 on token 1 and 0.05 on token 5, reward 1: turn rewards (-0.1, 0.95); gamma 0.9, lambda 0.8
+    gae = estimate_gae(np.array([1.0]), [values], gamma=0.9, lam=0.8, whiten_advantages=False,
+                       token_penalties=[np.array([0, 0.1, 0, 0, 0, 0.05, 0])], sampled=[sampled], level="turn")
+    # turn 1: delta = 0.95 - 0.6 = 0.35                   A = 0.35
+    # turn 0: delta = -0.1 + 0.9 * 0.6 - 0.5 = -0.06      A = -0.06 + 0.72 * 0.35 = 0.192
+    np.testing.assert_allclose(gae.advantages[0], [0.192, 0.192, 0, 0, 0.35, 0.35, 0.35], atol=1e-6)
+    np.testing.assert_allclose(gae.returns[0], [0.692, 7.0, 9.0, -9.0, 0.95, 3.0, 4.0], atol=1e-6)
+
+
+def test_a_single_turn_response_at_turn_level_is_one_action():
+    gae = estimate_gae(np.array([1.0]), [np.array([0.25, 0.5, 0.75])], gamma=0.9, lam=0.8, whiten_advantages=False,
+                       level="turn")
+    np.testing.assert_allclose(gae.advantages[0], [0.75] * 3, atol=1e-6)  # R - V at the first token
+    np.testing.assert_allclose(gae.returns[0], [1.0, 0.5, 0.75], atol=1e-6)
+
+
 def test_value_sums_count_the_model_s_tokens_only():
     values, returns = [np.array([1.0, 5.0, 2.0])], [np.array([1.5, -5.0, 2.5])]
     sums = value_sums(values, returns, [np.array([1, 0, 1])])
@@ -201,6 +232,24 @@ def test_the_train_config_chooses_gamma_lambda_and_whitening():
     np.testing.assert_allclose(gamma.advantages[0], expected, atol=1e-6)
     white = np.concatenate(step_gae(batch, values, TrainConfig(adv_estimator="gae")).advantages)
     assert abs(white.mean()) < 1e-6 and white.std(ddof=1) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_the_train_config_chooses_the_gae_level():
+    batch, _ = random_update_batch(50, samples=6)
+    batch.response_mask = np.tile([1, 1, 0], batch.response_mask.size)[:batch.response_mask.size].astype(np.uint8)
+    values = [np.linspace(0, 1, n) for n in batch.response_len]
+    token = step_gae(batch, values, TrainConfig(adv_estimator="gae", critic={"whiten_advantages": False}))
+    turn = step_gae(batch, values, TrainConfig(adv_estimator="gae", critic={"whiten_advantages": False,
+                                                                            "level": "turn"}))
+    masks = batch.ragged("response_mask")
+    for i, m in enumerate(masks):
+        spans = turn_spans(m)
+        expected = estimate_gae(batch.reward[i:i + 1], [values[i]], gamma=1.0, lam=1.0, whiten_advantages=False,
+                                sampled=[m], level="turn").advantages[0]
+        np.testing.assert_allclose(turn.advantages[i], expected, atol=1e-6)
+        for a, b in spans:  # one advantage per turn at turn level, per token at token level
+            assert len(set(turn.advantages[i][a:b].tolist())) == 1
+    assert any(len(set(t[a:b].tolist())) > 1 for t, m in zip(token.advantages, masks) for a, b in turn_spans(m))
 
 
 def test_the_critics_learning_rate_follows_its_own_schedule():

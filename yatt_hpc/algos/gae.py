@@ -58,10 +58,44 @@ def gae_one(token_rewards: np.ndarray, values: np.ndarray, gamma: float, lam: fl
     return adv, ret
 
 
+def turn_spans(sampled: np.ndarray) -> list[tuple[int, int]]:
+    """The model turns of one response: [start, end) of each run of tokens the model sampled."""
+    m = np.concatenate([[0], (np.asarray(sampled) > 0).astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(m))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist()))
+
+
+def value_positions(sampled: np.ndarray, level: str) -> np.ndarray:
+    """Where the value loss and the critic's metrics look: the tokens the model sampled (`token`), or the first
+    token of each model turn (`turn`)."""
+    mask = np.asarray(sampled) > 0
+    if level == "token":
+        return mask
+    out = np.zeros(len(mask), bool)
+    out[[start for start, _ in turn_spans(mask)]] = True
+    return out
+
+
+def gae_turns(token_rewards: np.ndarray, values: np.ndarray, sampled: np.ndarray, gamma: float,
+              lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """Turn-level GAE over one response (`train.critic.level: turn`): turn k's reward is the sum of its tokens'
+    rewards, its value V at its first token; `gae_one` runs over the turns, every token of turn k takes A_k, and
+    R_k = A_k + V_k sits at the turn's first token (R = V elsewhere: no value error there)."""
+    v = np.asarray(values, np.float64)
+    spans = turn_spans(sampled)
+    r = np.array([np.sum(token_rewards[a:b]) for a, b in spans], np.float64)
+    starts = np.array([a for a, _ in spans], np.int64)
+    turn_adv, turn_ret = gae_one(r, v[starts], gamma, lam)
+    adv, ret = np.zeros(len(v), np.float64), v.copy()
+    for (a, b), a_k, r_k in zip(spans, turn_adv, turn_ret):
+        adv[a:b], ret[a] = a_k, r_k
+    return adv, ret
+
+
 def estimate_gae(rewards: np.ndarray, values: Sequence[np.ndarray], *, gamma: float, lam: float,
                  token_penalties: Sequence[np.ndarray] | None = None, whiten_advantages: bool = True,
                  reduce: Callable[[np.ndarray], np.ndarray] = _identity,
-                 sampled: Sequence[np.ndarray] | None = None) -> GAE:
+                 sampled: Sequence[np.ndarray] | None = None, level: str = "token") -> GAE:
     """Token-level GAE of every sample: the reward on its last token less `token_penalties` per token, `values`
     the critic's V_t per response token. `whiten_advantages` whitens A over every response token of the global
     batch (verl and TRL's PPOTrainer always whiten GAE's advantages, `masked_whiten`); returns are not.
@@ -79,7 +113,10 @@ def estimate_gae(rewards: np.ndarray, values: Sequence[np.ndarray], *, gamma: fl
         model_tokens = np.arange(len(v)) if mask is None else np.flatnonzero(mask)
         if len(model_tokens):
             token_rewards[model_tokens[-1]] += reward
-        adv, ret = gae_one(token_rewards, v, gamma, lam, mask)
+        if level == "turn":
+            adv, ret = gae_turns(token_rewards, v, np.ones(len(v), bool) if mask is None else mask, gamma, lam)
+        else:
+            adv, ret = gae_one(token_rewards, v, gamma, lam, mask)
         advantages.append(adv)
         returns.append(ret.astype(np.float32))
     if not whiten_advantages:
@@ -111,12 +148,12 @@ VALUE_SUMS = ("tokens", "value", "ret", "ret_sq", "err", "err_sq")
 
 
 def value_sums(values: Sequence[np.ndarray], returns: Sequence[np.ndarray],
-               sampled: Sequence[np.ndarray] | None = None) -> np.ndarray:
+               positions: Sequence[np.ndarray] | None = None) -> np.ndarray:
     """This replica's sums over its response tokens (`VALUE_SUMS`): count, sum V, sum R, sum R^2, sum (R - V),
     sum (R - V)^2; summed over the replicas they give the global batch's `explained_variance` and value mean.
-    With `sampled` (an agent's `response_mask`) over the tokens the model sampled only."""
-    if sampled is not None:
-        masks = [np.asarray(m) > 0 for m in sampled]
+    With `positions` (`value_positions`: the tokens the value loss covers) over those only."""
+    if positions is not None:
+        masks = [np.asarray(m) > 0 for m in positions]
         values = [np.asarray(x)[m] for x, m in zip(values, masks)]
         returns = [np.asarray(x)[m] for x, m in zip(returns, masks)]
     v = np.concatenate([np.asarray(x, np.float64) for x in values]) if len(values) else np.zeros(0)

@@ -33,6 +33,12 @@ class CriticConfig(Section):
     optimizer step. Not used when `path` holds a head."""
     lam: float = Field(1.0, ge=0, le=1)
     """GAE's lambda (verl `algorithm.lam`, TRL `lam`); gamma is `train.gamma`. 1 with gamma 1 makes A_t = R - V_t."""
+    level: Literal["token", "turn"] = "token"
+    """Where GAE's steps are. `token`: every token the model sampled is an action, V_t its value (verl, TRL,
+    OpenRLHF). `turn`: every model turn of a multi-turn trajectory is one action (its tokens a run of
+    `response_mask` 1s), valued at its first token; the reward and the per-token penalties of a turn are summed,
+    gamma and lambda discount from turn to turn, every token of a turn takes its turn's advantage, and only a
+    turn's first token carries the value loss. A single-turn response is one turn: A = R - V at its first token."""
     whiten_advantages: bool = True
     """Whiten the GAE advantages over every response token of the global batch (verl and TRL's PPOTrainer always
     do); false keeps them as GAE gives them."""

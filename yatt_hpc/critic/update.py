@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from yatt_hpc.algos.aggregate import aggregate
-from yatt_hpc.algos.gae import value_loss
+from yatt_hpc.algos.gae import value_loss, value_positions
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.config.schema import TrainConfig
 from yatt_hpc.critic.model import build_value_model, value_shard
@@ -203,7 +203,10 @@ class MegatronCritic(MegatronPolicy):
         v_old = shared_prompt.padded(old, width).to(v_new.device)
         ret = shared_prompt.padded(returns, width).to(v_new.device)
         mask = mask * torch.from_numpy(keep).to(mask)[:, None]  # train.mask_truncated: out of this loss too
-        mask = mask * shared_prompt.padded(mb.ragged("response_mask"), width).to(mask)  # tool results: no value loss
+        # tool results carry no value loss; at `critic.level: turn` only a turn's first token does
+        level = self.cfg.critic.level
+        positions = [value_positions(m, level).astype(np.float32) for m in mb.ragged("response_mask")]
+        mask = mask * shared_prompt.padded(positions, width).to(mask)
         per_token, clipped = value_loss(v_new, v_old, ret, self.cfg.critic.value_clip)
         loss = aggregate(per_token, mask, "token-mean", totals)
         return loss, (float(loss.detach()), float((clipped.to(mask.dtype) * mask).sum()), float(mask.sum()))

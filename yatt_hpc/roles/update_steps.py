@@ -19,12 +19,19 @@ from __future__ import annotations
 import numpy as np
 
 from yatt_hpc.algos.advantages import Advantages
-from yatt_hpc.algos.gae import value_sums
+from yatt_hpc.algos.gae import value_positions, value_sums
 from yatt_hpc.algos.off_policy import importance_weights
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.errors import InputError
 from yatt_hpc.roles.colocation import holding_devices
-from yatt_hpc.train.step_plan import critic_lr, masked_behavior, plan_update, step_advantages, step_gae
+from yatt_hpc.train.step_plan import (
+    critic_lr,
+    masked_behavior,
+    plan_update,
+    step_advantages,
+    step_gae,
+    value_tokens,
+)
 
 
 class UpdateSteps:
@@ -72,8 +79,9 @@ class UpdateSteps:
         if self.critic is None:
             return
         values, returns = self._gae
+        level = self.cfg.train.critic.level  # the value loss's token-mean counts the tokens it covers
         plan = plan_update(batch, self.cfg.train, self.cfg.rollout.max_new_tokens, gather=self.gather_over_replicas,
-                           reduce=self.sum_over_replicas)
+                           reduce=self.sum_over_replicas, tokens=value_tokens(batch, level))
         lr = critic_lr(step, self.cfg.train)
         with holding_devices(self.stats, self.critic, self.colocate), self.stats.phase("critic"):
             self.critic.set_lr(lr)
@@ -81,7 +89,8 @@ class UpdateSteps:
         self._gae = None
         self.stats.values.update({"critic_lr": lr, "critic_grad_norm": stats.grad_norm})
         if self.is_owner:
-            sums = value_sums(values, returns, batch.ragged("response_mask"))  # the model's tokens only
+            positions = [value_positions(m, level) for m in batch.ragged("response_mask")]
+            sums = value_sums(values, returns, positions)  # where the value loss looks
             for key, value in zip(("critic_tokens", "critic_value_sum", "critic_ret_sum", "critic_ret_sq",
                                    "critic_err_sum", "critic_err_sq"), sums):
                 self.stats.add(key, float(value))

@@ -44,7 +44,7 @@ import torch
 
 from yatt_hpc.algos.advantages import Advantages, estimate
 from yatt_hpc.algos.aggregate import Totals
-from yatt_hpc.algos.gae import GAE, estimate_gae
+from yatt_hpc.algos.gae import GAE, estimate_gae, value_positions
 from yatt_hpc.algos.kl import AdaptiveKL, kl_estimate
 from yatt_hpc.algos.schedule import learning_rate
 from yatt_hpc.batch import SampleBatch
@@ -69,8 +69,10 @@ class UpdatePlan:
 
 
 def plan_update(batch: SampleBatch, cfg, norm_len: int, gather: Callable[[list], list],
-                reduce: Callable[[np.ndarray], np.ndarray], kl_coef: float = 0.0) -> UpdatePlan:
-    """The plan of this replica's `batch` under train config `cfg` (`epochs`, `mini_batches`, `mask_truncated`)."""
+                reduce: Callable[[np.ndarray], np.ndarray], kl_coef: float = 0.0,
+                tokens: np.ndarray | None = None) -> UpdatePlan:
+    """The plan of this replica's `batch` under train config `cfg` (`epochs`, `mini_batches`, `mask_truncated`).
+    `tokens`: per sample, the tokens its loss covers (default `sampled_tokens`; the critic's `value_tokens`)."""
     keep = np.ones(len(batch), np.float32)
     if cfg.mask_truncated:
         keep[batch.finish == LENGTH_FINISH] = 0.0
@@ -78,7 +80,7 @@ def plan_update(batch: SampleBatch, cfg, norm_len: int, gather: Callable[[list],
     parts = np.array_split(groups, cfg.mini_batches)
     minibatches = [np.flatnonzero(np.isin(batch.prompt_id, part)) for part in parts]
     counted = keep * (batch.response_len > 0)
-    sampled = sampled_tokens(batch)  # the tokens in the loss: an agent's tool results are not
+    sampled = sampled_tokens(batch) if tokens is None else tokens  # an agent's tool results are not in the loss
     local = np.array([[float((sampled[idx] * keep[idx]).sum()), float(counted[idx].sum())]
                       for idx in minibatches], np.float64)
     sums = reduce(local.reshape(-1)).reshape(local.shape)
@@ -105,10 +107,10 @@ def step_gae(batch: SampleBatch, values: list[np.ndarray], cfg, token_penalties:
              reduce: Callable[[np.ndarray], np.ndarray] = lambda values: values) -> GAE:
     """`adv_estimator: gae`: GAE on the critic's `values` with `cfg.gamma`, `cfg.critic.lam` and
     `cfg.critic.whiten_advantages` (`yatt_hpc/algos/gae.py`), over the tokens the model sampled (`response_mask`:
-    an agent's tool results are skipped)."""
+    an agent's tool results are skipped), per token or per model turn (`cfg.critic.level`)."""
     return estimate_gae(batch.reward, values, gamma=cfg.gamma, lam=cfg.critic.lam, token_penalties=token_penalties,
                         whiten_advantages=cfg.critic.whiten_advantages, reduce=reduce,
-                        sampled=batch.ragged("response_mask"))
+                        sampled=batch.ragged("response_mask"), level=cfg.critic.level)
 
 
 def reward_kl(batch: SampleBatch, ref_logprobs: list[np.ndarray], cfg, coef: float) -> tuple[list[np.ndarray], float]:
@@ -124,6 +126,12 @@ def sampled_tokens(batch: SampleBatch) -> np.ndarray:
     """Per sample, how many response tokens the model sampled (`response_mask`; all of a single-turn response)."""
     owner = np.repeat(np.arange(len(batch)), batch.response_len)
     return np.bincount(owner, weights=batch.response_mask, minlength=len(batch)).astype(np.float64)
+
+
+def value_tokens(batch: SampleBatch, level: str) -> np.ndarray:
+    """Per sample, how many tokens carry the critic's value loss at `train.critic.level` (`algos.gae.value_positions`:
+    the model's tokens, or each model turn's first)."""
+    return np.array([value_positions(m, level).sum() for m in batch.ragged("response_mask")], np.float64)
 
 
 def masked_behavior(batch: SampleBatch, proximal: list[np.ndarray]) -> list[np.ndarray]:
