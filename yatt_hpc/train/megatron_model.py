@@ -32,6 +32,7 @@ from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
 from yatt_hpc.train.mcore import (
     GPTModel,
     ModuleSpec,
+    TopKRouter,
     TransformerConfig,
     get_gpt_layer_local_spec,
     parallel_state,
@@ -50,8 +51,11 @@ def initialize_model_parallel(
     timeout_s: float = 600.0,
     cuda_device: int | None = None,
     pp_size: int = 1,
+    ep_size: int = 1,
 ) -> None:
-    """Join the trainer's process group (gloo on CPU, NCCL on CUDA) and set up TP=tp_size, PP=pp_size, CP=1.
+    """Join the trainer's process group (gloo on CPU, NCCL on CUDA) and set up TP=tp_size, PP=pp_size, CP=1,
+    and expert parallelism EP=ep_size (a MoE model's experts split over ep ranks; Megatron's expert tensor
+    parallelism is left at its default, tp, so ep must divide dp = world / (tp * pp)).
 
     ``rank``/``world_size`` and the leader's address come from the caller (MPI in the controller),
     never from environment variables. Data parallelism is ``world_size // (tp_size * pp_size)``; Megatron's
@@ -72,6 +76,7 @@ def initialize_model_parallel(
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
         context_parallel_size=1,
+        expert_model_parallel_size=ep_size,
     )
     if not cpu_compat.prepare_cpu_runtime(seed):
         torch.manual_seed(seed)
@@ -160,6 +165,7 @@ def _transformer_config(arch: HFArch, tp_size: int, params_dtype: torch.dtype, r
     return TransformerConfig(
         **recompute.transformer_fields(arch.num_layers // pp_size),
         **pipeline,
+        **moe_fields(arch, parallel_state.get_expert_model_parallel_world_size()),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -189,6 +195,29 @@ def _transformer_config(arch: HFArch, tp_size: int, params_dtype: torch.dtype, r
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
     )
+
+
+def moe_fields(arch: HFArch, ep_size: int) -> dict[str, Any]:
+    """Megatron-Core's MoE fields (transformer_config.py, "MoE related") for HF's routed experts: Qwen3-MoE's
+    router is a softmax over every expert, the top k kept, renormalised when ``norm_topk_prob``; Megatron's
+    default (top k of the logits, softmax over them) is that renormalised softmax, ``moe_router_pre_softmax``
+    the plain one. Experts are ``SequentialMLP`` (no grouped GEMM: that needs Transformer Engine or the
+    grouped_gemm package). Tokens reach their experts through the all-gather dispatcher on CPU (Gloo's
+    all_gather_into_tensor and reduce_scatter_tensor; the all-to-all dispatcher allocates CUDA streams) and
+    the all-to-all dispatcher on GPU (NCCL)."""
+    if arch.moe is None:
+        return {}
+    return {
+        "num_moe_experts": arch.moe.num_experts,
+        "moe_router_topk": arch.moe.topk,
+        "moe_ffn_hidden_size": arch.moe.ffn_hidden_size,
+        "moe_router_pre_softmax": not arch.moe.norm_topk_prob,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": arch.moe.aux_loss_coeff,
+        "moe_token_dispatcher_type": "allgather" if cpu_compat.is_cpu_runtime() else "alltoall",
+        "moe_grouped_gemm": False,
+        "expert_model_parallel_size": ep_size,
+    }
 
 
 def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -243,6 +272,9 @@ def build_gpt_model(
         model.visual = _vision_tower(hf_config).requires_grad_(train_vision)
         model.image_token_id = int(hf_config.image_token_id)
     cpu_compat.make_rope_cpu_safe(model)
+    for module in model.modules():
+        if type(module) is TopKRouter:
+            module.__class__ = LocalTopKRouter
     if params_dtype != torch.float32:
         # what Megatron's Float16Module does: the norms and position embeddings of the local spec are
         # built in fp32 whatever params_dtype says, so the whole model is cast once
@@ -278,13 +310,26 @@ def _vision_tower(hf_config: Any) -> torch.nn.Module:
 
 
 def _layer_spec(arch: HFArch, config: TransformerConfig) -> ModuleSpec:
-    spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=arch.qk_norm)
+    spec = get_gpt_layer_local_spec(num_experts=arch.moe.num_experts if arch.moe else None,
+                                    normalization=config.normalization, qk_layernorm=arch.qk_norm)
     # Megatron's own attention unless a shared-prompt forward is running (train/shared_prompt.py)
     spec.submodules.self_attention.submodules.core_attention = SharedPromptAttention
     if arch.qk_norm:
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
     return spec
+
+
+class LocalTopKRouter(TopKRouter):
+    """Megatron's top-k router with its gate as a plain linear layer, computed in the input's dtype (or
+    ``moe_router_dtype``). Megatron's ``gating`` moves the weight to CUDA on every call when it sits on CPU and
+    calls ``router_gating_linear``, whose forward reads ``te_general_gemm``, a name defined only when Transformer
+    Engine imports (moe/moe_utils.py); the local spec runs without it, on CPU and GPU alike."""
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(input.to(dtype), self.weight.to(dtype), bias)
 
 
 class HeadRMSNorm(torch.nn.RMSNorm):
