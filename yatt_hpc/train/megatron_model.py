@@ -32,6 +32,7 @@ from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
 from yatt_hpc.train.mcore import (
     GPTModel,
     ModuleSpec,
+    MoELayer,
     TopKRouter,
     TransformerConfig,
     get_gpt_layer_local_spec,
@@ -272,9 +273,14 @@ def build_gpt_model(
         model.visual = _vision_tower(hf_config).requires_grad_(train_vision)
         model.image_token_id = int(hf_config.image_token_id)
     cpu_compat.make_rope_cpu_safe(model)
+    if arch.moe is not None:
+        cpu_compat.make_moe_mappings_cpu_safe()
     for module in model.modules():
         if type(module) is TopKRouter:
             module.__class__ = LocalTopKRouter
+        if type(module) is MoELayer and tp_size > 1:
+            module.__class__ = TokenSplitMoELayer
+            module.attn_tp_group = _OneRankGroup()  # read only by the guard TokenSplitMoELayer answers
     if params_dtype != torch.float32:
         # what Megatron's Float16Module does: the norms and position embeddings of the local spec are
         # built in fp32 whatever params_dtype says, so the whole model is cast once
@@ -320,6 +326,39 @@ def _layer_spec(arch: HFArch, config: TransformerConfig) -> ModuleSpec:
     return spec
 
 
+class _OneRankGroup:
+    """Answers ``size() == 1`` to MoELayer's guard against tp > 1 without sequence parallelism."""
+
+    def size(self) -> int:
+        return 1
+
+
+class TokenSplitMoELayer(MoELayer):
+    """Megatron's MoELayer under tp > 1 without sequence parallelism (which the local spec's torch norms refuse,
+    torch_norm.py): each tensor rank routes its 1/tp of the tokens, as it would with sequence parallelism.
+
+    MoELayer expects [S/tp, B, H] (it refuses training otherwise: its dispatcher gathers tokens over tp x ep, so
+    the replicated [S, B, H] would reach every expert tp times). Here the sequence is zero-padded to a multiple
+    of tp, scattered (backward: all-gather), run through the layer, and gathered back (backward: this rank's
+    slice), which is sequence parallelism's region around one MLP. The padded rows are routed like tokens; they
+    count in the load-balancing loss and expert-load metrics, never in a real token's output. The router, which
+    now sees only this rank's tokens, sums its gradient over tp (`LocalTopKRouter`)."""
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
+        if padding_mask is not None:
+            raise NotImplementedError("TokenSplitMoELayer takes no padding_mask")
+        group = parallel_state.get_tensor_model_parallel_group()
+        seq = hidden_states.shape[0]
+        pad = -seq % torch.distributed.get_world_size(group)
+        if pad:
+            hidden_states = F.pad(hidden_states, (0, 0, 0, 0, 0, pad))
+        local = tensor_parallel.scatter_to_sequence_parallel_region(hidden_states, group=group)
+        out, bias = super().forward(local, intermediate_tensors)
+        out = tensor_parallel.gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False,
+                                                                   group=group)
+        return out[:seq], bias
+
+
 class LocalTopKRouter(TopKRouter):
     """Megatron's top-k router with its gate as a plain linear layer, computed in the input's dtype (or
     ``moe_router_dtype``). Megatron's ``gating`` moves the weight to CUDA on every call when it sits on CPU and
@@ -329,7 +368,11 @@ class LocalTopKRouter(TopKRouter):
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(input.to(dtype), self.weight.to(dtype), bias)
+        # under tp each rank routes its own tokens (TokenSplitMoELayer): the replicated weight's gradient is the
+        # sum over tp (identity forward, all-reduce backward), as Megatron's finalize_model_grads would sum it
+        weight = tensor_parallel.copy_to_tensor_model_parallel_region(
+            self.weight, group=parallel_state.get_tensor_model_parallel_group())
+        return F.linear(input.to(dtype), weight.to(dtype), bias)
 
 
 class HeadRMSNorm(torch.nn.RMSNorm):
