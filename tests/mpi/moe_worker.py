@@ -1,6 +1,7 @@
 """One rank of the Qwen3-MoE converter check; started by tests/mpi/test_moe.py, never by pytest itself.
 
     mpirun --oversubscribe -np 2 .venv/bin/python tests/mpi/moe_worker.py OUT_DIR [CASE ...]   # ep2-norm1 ...
+    .venv/bin/python tests/mpi/moe_worker.py export STEP_DIR HF_DIR     # an export-hf against its checkpoint
 
 Two ranks, three trainer layouts in turn: ep1 (tp1, dp2: every rank holds every expert), tp2 (each expert split
 over two tensor ranks) and ep2 (tp1, dp2, each rank two of the four experts; tokens reach the other rank's
@@ -20,7 +21,6 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from yatt_hpc.models.hf_experts import unfuse_hf_experts
 from yatt_hpc.train import convert
-from yatt_hpc.train import megatron_model as mm
 
 LAYOUTS = {"ep1": (1, 1), "tp2": (2, 1), "ep2": (1, 2)}  # name -> (tp, ep) on 2 ranks
 VOCAB = 64
@@ -70,6 +70,8 @@ def _weights(dp_rank: int) -> torch.Tensor:
 def check_layout(tp: int, ep: int, norm_topk_prob: bool) -> dict:
     """Logits, gradients and gathered weights of this rank against HF, at (tp, ep) on the world's ranks."""
     from megatron.core import parallel_state as ps
+
+    from yatt_hpc.train import megatron_model as mm
 
     tp_group, dp_rank = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_rank()
     experts = convert.Experts(ps.get_expert_model_parallel_rank(), ep)
@@ -128,6 +130,8 @@ CASES = [f"{name}-norm{norm}" for name in LAYOUTS for norm in (1, 0)]  # norm: H
 def main(out_dir: Path, cases: list[str]) -> None:
     from mpi4py import MPI
 
+    from yatt_hpc.train import megatron_model as mm
+
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     report: dict = {"rank": rank}
@@ -141,5 +145,31 @@ def main(out_dir: Path, cases: list[str]) -> None:
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
 
 
+def export_logits_gap(step_dir: Path, hf_dir: Path) -> float:
+    """One process, no mpirun: the checkpoint's Megatron shard (tp1, pp1) loaded as saved, against the exported
+    HF directory through transformers' own loader, on the same tokens. Returns the largest logit difference."""
+    from safetensors.torch import load_file
+
+    from yatt_hpc.models.hf_config import load_hf_config
+    from yatt_hpc.train import megatron_model as mm
+
+    config = load_hf_config(hf_dir)
+    hf, info = Qwen3MoeForCausalLM.from_pretrained(str(hf_dir), output_loading_info=True)
+    if any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")):
+        raise AssertionError(f"the export does not load cleanly: {info}")
+    mm.initialize_model_parallel(0, 1, "127.0.0.1", _free_port(), tp_size=1)
+    model = mm.build_gpt_model(config, 1).eval()
+    mm.load_megatron_shard(model, load_file(str(step_dir / "model-tp0-pp0.safetensors")))
+    ids = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = mm.forward_logits(model, ids)[..., :config.vocab_size]
+        theirs = hf.eval()(ids).logits
+    mm.destroy_model_parallel()
+    return (ours - theirs).abs().max().item()
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:] or CASES)
+    if sys.argv[1] == "export":  # moe_worker.py export STEP_DIR HF_DIR: prints the logit gap
+        print(json.dumps({"export_logits_max_abs_diff": export_logits_gap(Path(sys.argv[2]), Path(sys.argv[3]))}))
+    else:
+        main(Path(sys.argv[1]), sys.argv[2:] or CASES)

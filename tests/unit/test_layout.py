@@ -22,7 +22,8 @@ ALLOWED = {
     "demo": set(),
     # multi-turn rollouts: the loop drives a rollout/ engine, renders tool turns with the data/ tokenizer
     "agent": {"config", "rollout", "batch", "data"},
-    "rollout": {"metrics.activity", "device", "vision"},  # engines join a weight pair's group (device.weight_group)
+    # engines join a weight pair's group (device.weight_group); a MoE engine takes experts by checkpoint name (models)
+    "rollout": {"metrics.activity", "device", "vision", "models"},
     "train": {"algos", "metrics.activity", "ckpt.optim", "batch", "config", "device", "vision", "models", "optim",
               "lora.layers"},  # the policy attaches adapters
     "optim": set(),  # the optimizer: torch only

@@ -67,3 +67,24 @@ def fuse_hf_experts(items: Iterable[tuple[str, torch.Tensor]], num_experts: int)
             [torch.cat([parts[("gate_proj", e)], parts[("up_proj", e)]]) for e in range(num_experts)])
         out[f"{mlp}.down_proj"] = torch.stack([parts[("down_proj", e)] for e in range(num_experts)])
     return out
+
+
+def expert_slots(fused_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[str, int, slice, tuple[int, ...]]]:
+    """Every per-expert checkpoint name of a model holding fused expert parameters (`fused_shapes`: its state-dict
+    shapes) -> (fused name, expert, rows of that expert's matrix, the per-expert tensor's shape): where a tensor
+    sent under its checkpoint name is written, one expert at a time, whatever bucket it came in."""
+    slots: dict[str, tuple[str, int, slice, tuple[int, ...]]] = {}
+    for name, shape in fused_shapes.items():
+        match = _FUSED.match(name)
+        if match is None:
+            continue
+        experts, rows, cols = shape
+        mlp = match["mlp"]
+        for e in range(experts):
+            if match["kind"] == "down_proj":
+                slots[f"{mlp}.{e}.down_proj.weight"] = (name, e, slice(0, rows), (rows, cols))
+            else:
+                half = rows // 2
+                slots[f"{mlp}.{e}.gate_proj.weight"] = (name, e, slice(0, half), (half, cols))
+                slots[f"{mlp}.{e}.up_proj.weight"] = (name, e, slice(half, rows), (half, cols))
+    return slots

@@ -71,6 +71,7 @@ import torch
 from yatt_hpc.device.offload import HostParking
 from yatt_hpc.device.weight_group import PairGroup
 from yatt_hpc.metrics.activity import ACTIVITY
+from yatt_hpc.models.hf_experts import expert_slots
 from yatt_hpc.rollout.engine import (
     BaseEngine,
     GenerationRequest,
@@ -134,6 +135,9 @@ class HFEngine(HFWeightUpdates, BaseEngine):
         self._stop_ids = torch.tensor(sorted(self._resolve_stop_ids(default_stop if stop_token_ids is None
                                                                     else stop_token_ids)), dtype=torch.long)
         self._state_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        # a MoE model's experts arrive under their checkpoint names, one expert each (models/hf_experts.py)
+        self._expert_slots = expert_slots(self._state_shapes)
+        self._state_shapes.update({name: slot[3] for name, slot in self._expert_slots.items()})
         self._tied = self._tied_name_groups(model)
         self._version = 0
         self._mid_update = False

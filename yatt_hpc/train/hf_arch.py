@@ -280,3 +280,23 @@ def _check_tp_divisibility(arch: HFArch, tp_size: int) -> None:
         if value % tp_size:
             raise ValueError(f"{field}={value} is not divisible by tp_size={tp_size}; pick a tp_size "
                              f"that divides it")
+
+
+def refuse_unsupported_moe(arch: HFArch, lora: bool, recompute: str, pp_size: int) -> None:
+    """Raise for a mixture-of-experts policy with a trainer feature its experts are not wired into (the field, the
+    value, the fix); nothing for a dense model."""
+    if arch.moe is None:
+        return
+    refused = [
+        (pp_size > 1, f"placement.trainer.pp={pp_size}", "pipeline stages take variable-length micro-batches, which "
+         "Megatron's all-gather dispatcher refuses (the all-to-all one allocates CUDA streams); set "
+         "placement.trainer.pp=1"),
+        (lora, "train.lora.enabled=true", "LoRA's adapters are not mapped onto the experts; set "
+         "train.lora.enabled=false"),
+        (recompute != "none", f"train.recompute={recompute!r}", "recomputation through MoE layers is not checked "
+         "against the plain path; set train.recompute=none"),
+    ]
+    for refuse, field, why in refused:
+        if refuse:
+            raise ValueError(f"{field} with a mixture-of-experts policy ({arch.family}, {arch.moe.num_experts} "
+                             f"experts): {why} (docs/moe.md)")

@@ -221,6 +221,24 @@ def moe_fields(arch: HFArch, ep_size: int) -> dict[str, Any]:
     }
 
 
+def set_aux_loss_scale(micro_batches: int, dp_group: Any) -> None:
+    """Scale the next backward passes' load-balancing loss by 1 / (the mini-batch's micro-batches on every dp rank).
+
+    Megatron adds each MoE layer's aux loss in its backward (``MoEAuxLossAutoScaler``), times a process-wide factor
+    its own schedules set to 1 / micro-batches. The trainer's loss of a micro-batch is already its share of the
+    mini-batch loss (`yatt_hpc/algos/aggregate.py`) and dp ranks sum their gradients, so the aux loss enters as its
+    mean over the mini-batch's micro-batches, times ``router_aux_loss_coef``. Collective over `dp_group` (once per
+    mini-batch on every rank, as the optimizer step is).
+    """
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    count = torch.tensor([float(micro_batches)])
+    if torch.distributed.get_world_size(dp_group) > 1:
+        torch.distributed.all_reduce(count, group=dp_group)
+    device = "cpu" if cpu_compat.is_cpu_runtime() else torch.cuda.current_device()
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / max(count.item(), 1.0), device=device))
+
+
 def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 

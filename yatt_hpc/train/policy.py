@@ -56,7 +56,7 @@ from yatt_hpc.optim.adamw import AdamW
 from yatt_hpc.optim.buckets import GRAD_BUCKET_MB, allreduce_bucketed
 from yatt_hpc.optim.sharded import ShardedAdamW
 from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
-from yatt_hpc.train.hf_arch import describe_hf_config
+from yatt_hpc.train.hf_arch import describe_hf_config, refuse_unsupported_moe
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
 from yatt_hpc.train.pipeline import PipelineStages, sync_tied_embeddings
@@ -118,6 +118,7 @@ class MegatronPolicy(StageUpdate):
         self.reference = reference
         self.images = images  # a vision-language policy's image processor, else None
         self.vocab_size = hf_config.get_text_config().vocab_size
+        self.moe = describe_hf_config(hf_config, 1).moe is not None  # its aux loss's scale, per mini-batch
         self.named_params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # not a frozen tower
         self.mixed = any(p.dtype != torch.float32 for p in self.named_params.values())
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -144,6 +145,8 @@ class MegatronPolicy(StageUpdate):
                 dtype: torch.dtype = torch.float32, temperature: float = 1.0) -> MegatronPolicy:
         model_dir = Path(model_dir)
         hf_config = load_hf_config(model_dir)
+        refuse_unsupported_moe(describe_hf_config(hf_config, tp_size), cfg.lora.enabled, cfg.recompute,
+                               parallel_state.get_pipeline_model_parallel_world_size())
         hf_state = load_hf_state_dict(model_dir)
         shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank, tp_size, pipeline_stage())
         vision = hasattr(hf_config, "vision_config")
@@ -197,6 +200,8 @@ class MegatronPolicy(StageUpdate):
                 terms = LossTerms(counts, plan.kl_coef, plan.norm_len)
                 self._zero_grads()
                 micros = list(micro_batches(batch, index, self.cfg))
+                if self.moe:  # the load-balancing loss: its mean over the mini-batch's micro-batches
+                    megatron_model.set_aux_loss_scale(len(micros), self.dp_group)
                 for micro in micros:
                     totals.micro_batch_tokens_max = max(totals.micro_batch_tokens_max, forward_tokens(
                         batch.prompt_len[micro], batch.response_len[micro], batch.prompt_id[micro], self.share_prompts))
