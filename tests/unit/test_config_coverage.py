@@ -193,6 +193,7 @@ EFFECT: dict[str, str] = {
     "placement.trainer.tp": "tests/unit/test_plan.py::test_dp_is_derived_when_null",
     "placement.trainer.pp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
     "placement.trainer.cp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
+    "placement.trainer.ep": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
     "placement.trainer.dp": "tests/unit/test_plan.py::test_dp_is_derived_when_null",
     "placement.trainer.mem": f"{EFFECTS}::test_mem_of_each_group_reaches_its_component",
     "placement.rollout.nodes": "tests/unit/test_sbatch_render.py::test_shared_step_places_each_group_on_every_node_in_rank_order",

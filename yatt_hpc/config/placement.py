@@ -47,8 +47,8 @@ class TrainerPlacement(GroupPlacement):
     ep: int = Field(1, ge=1)
     """Expert-parallel size for a mixture-of-experts policy: each rank holds 1/ep of every layer's experts
     (each expert split over tp as a dense MLP is). Megatron-Core requires ep to divide dp (its expert tensor
-    parallelism stays tp). Only 1 runs today: the planner validates a larger ep against the layout, then refuses
-    it (docs/moe.md)."""
+    parallelism stays tp). Only 1 runs today: the planner checks a larger ep against the layout, then refuses it
+    (docs/moe.md)."""
 
 
 class EnginePlacement(GroupPlacement):

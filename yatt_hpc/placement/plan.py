@@ -222,8 +222,8 @@ def _check_expert_parallel(gp: TrainerPlacement, dp: int) -> None:
         raise PlanError(f"{f}={gp.ep} does not divide dp={dp}: Megatron-Core's expert groups need world = tp*ep*pp x "
                         f"(expert data parallel); pick ep from the divisors of {dp}")
     raise PlanError(f"{f}={gp.ep} fits this layout, but the trainer's step does not run expert parallelism yet (its "
-                    "data-parallel ranks take different micro-batch counts, which the experts' all-to-all cannot); "
-                    f"set {f}=1: every rank then holds every expert (docs/moe.md)")
+                    "data-parallel ranks take micro-batches of different counts and shapes, which the experts' token "
+                    f"exchange cannot); set {f}=1: every rank then holds every expert (docs/moe.md)")
 
 
 def _engine_layout(name: str, gp: GroupPlacement) -> tuple[tuple[str, int], ...]:
