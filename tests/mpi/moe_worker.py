@@ -146,8 +146,9 @@ def main(out_dir: Path, cases: list[str]) -> None:
 
 
 def export_logits_gap(step_dir: Path, hf_dir: Path) -> float:
-    """One process, no mpirun: the checkpoint's Megatron shard (tp1, pp1) loaded as saved, against the exported
-    HF directory through transformers' own loader, on the same tokens. Returns the largest logit difference."""
+    """One process, no mpirun: the checkpoint's Megatron model (one stage; a tp1 shard loaded as saved, tp shards
+    merged and split as a resume into tp1 does), against the exported HF directory through transformers' own
+    loader, on the same tokens. Returns the largest logit difference."""
     from safetensors.torch import load_file
 
     from yatt_hpc.models.hf_config import load_hf_config
@@ -159,7 +160,10 @@ def export_logits_gap(step_dir: Path, hf_dir: Path) -> float:
         raise AssertionError(f"the export does not load cleanly: {info}")
     mm.initialize_model_parallel(0, 1, "127.0.0.1", _free_port(), tp_size=1)
     model = mm.build_gpt_model(config, 1).eval()
-    mm.load_megatron_shard(model, load_file(str(step_dir / "model-tp0-pp0.safetensors")))
+    shards = [load_file(str(p)) for p in sorted(step_dir.glob("model-tp*-pp0.safetensors"))]
+    whole = shards[0] if len(shards) == 1 else convert.hf_to_megatron(
+        convert.megatron_to_hf(shards, config, emit_tied_lm_head=False), config, 0, 1)
+    mm.load_megatron_shard(model, whole)
     ids = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ours = mm.forward_logits(model, ids)[..., :config.vocab_size]

@@ -1,6 +1,6 @@
 """Real `yatt-hpc run` of a mixture-of-experts policy: a random tiny Qwen3-MoE over the demo's tokenizer, trainer
-DP=2 (every rank every expert), the HF engine taking the experts one by one by their checkpoint names, then
-`ckpt export-hf` loaded by transformers.
+dp 2 (every rank every expert) or tp 2 (each expert split, each tensor rank routing half the tokens), the HF
+engine taking the experts one by one by their checkpoint names, then `ckpt export-hf` loaded by transformers.
 
     YATT_FULL_FAULT_MATRIX=1 .venv/bin/python -m pytest tests/mpi/test_moe_run.py -q     # ~35 s: in `make test-faults`
 """
@@ -28,11 +28,15 @@ def _run(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def moe_run(mpirun, tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe_run")
+LAYOUTS = {"dp2": "{nodes: 1, tasks_per_node: 2, tp: 1, dp: 2}", "tp2": "{nodes: 1, tasks_per_node: 2, tp: 2, dp: 1}"}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def moe_run(request, mpirun, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"moe_run_{request.param}")
     policy = save_char_model(char_qwen3_moe(seed=0), root / "policy")
-    sets = [x for key, value in {**FAST, "model.path": policy}.items() for x in ("--set", f"{key}={value}")]
+    overrides = {**FAST, "model.path": policy, "placement.trainer": LAYOUTS[request.param]}
+    sets = [x for key, value in overrides.items() for x in ("--set", f"{key}={value}")]
     proc = _run("run", CONFIG, "--run-dir", str(root / "run"), *sets)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return root
