@@ -80,9 +80,15 @@ def check_layout(tp: int, ep: int, norm_topk_prob: bool) -> dict:
     model = mm.build_gpt_model(config, tp).train()
     mm.load_megatron_shard(model, convert.hf_to_megatron(disk, config, ps.get_tensor_model_parallel_rank(), tp,
                                                          experts=experts))
+    load = mm.ExpertLoad(model)
     local = mm.forward_logits(model, _batch(dp_rank))
+    valid = torch.arange(11)[None] < torch.tensor([[11], [7]])  # the second row's last 4 positions as padding
+    load.count(valid)
+    hf_out = hf(_batch(dp_rank), output_router_logits=True)
     full = torch.cat(_gather(local.detach(), tp_group), -1)[..., :VOCAB]
-    logits_diff = (full - hf(_batch(dp_rank)).logits).abs().max().item()
+    logits_diff = (full - hf_out.logits).abs().max().item()
+    chosen = [logits.topk(2, dim=-1).indices.reshape(2, 11, 2)[valid] for logits in hf_out.router_logits]
+    hf_load = torch.stack([torch.bincount(c.reshape(-1), minlength=4) for c in chosen]).double()
 
     # each dp rank backpropagates its own batch; HF the sum over every dp rank's batch
     width = local.shape[-1]
@@ -121,6 +127,8 @@ def check_layout(tp: int, ep: int, norm_topk_prob: bool) -> dict:
         == sorted(n for n in disk if ".mlp.experts." not in n),
         "expert_names": expert_names,
         "local_experts": len(model.decoder.layers[0].mlp.experts.local_experts),
+        "expert_load_equals_hf_routing": torch.equal(load.take(), hf_load),
+        "expert_load_tokens": float(hf_load.sum()),
     }
 
 

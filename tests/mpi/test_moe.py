@@ -56,6 +56,15 @@ def test_moe_weights_gathered_to_hf_are_the_loaded_tensors(moe_reports, case):
         assert report[case]["gathered_non_expert_keys_equal"]
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_expert_load_counts_each_real_tokens_experts_as_transformers_routes_them(moe_reports, case):
+    """`ExpertLoad` on a batch with padded positions: per layer and expert, the real tokens HF's router sends there
+    (under tp each rank counts its slice and the counts are summed)."""
+    for report in moe_reports:
+        assert report[case]["expert_load_equals_hf_routing"]
+        assert report[case]["expert_load_tokens"] == 2 * (11 + 7) * 2  # layers x real tokens x top-k
+
+
 def test_ep2_ranks_hold_and_give_back_disjoint_halves_of_the_experts(moe_reports):
     """Expert e of 4 lives on ep rank e // 2 only; each rank sends its own, and together they are all."""
     names = [set(report["ep2-norm1"]["expert_names"]) for report in moe_reports]

@@ -49,6 +49,8 @@ def test_a_moe_policy_trains_and_its_engine_holds_the_synced_experts(moe_run):
         assert r["train/grad_norm"] > 0
         # step 2 samples with the weights step 1 synced: a stale or misplaced expert would show here
         assert r["train/rollout_logp_diff_max"] < 1e-4, r
+        # 2 layers of 4 experts, 2 per token: a layer's busiest expert has 1x to 2x the mean
+        assert 1.0 <= r["moe/load_max_over_mean"] <= 2.0 and "moe/load_max_over_mean/layer1" in r
 
 
 def test_export_hf_of_a_moe_checkpoint_loads_in_transformers_with_the_trainers_logits(moe_run):

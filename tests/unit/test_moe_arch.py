@@ -82,3 +82,28 @@ def test_the_hf_engine_writes_experts_sent_one_by_one_into_its_fused_parameters(
     assert all(torch.equal(target.state_dict()[k], v) for k, v in source.state_dict().items())
     with pytest.raises(ValueError, match="shape mismatch for 'model.layers.0.mlp.experts.1.up_proj.weight'"):
         engine.update_weights([("model.layers.0.mlp.experts.1.up_proj.weight", torch.zeros(3, 3))], final=True)
+
+
+def _report(values: dict, group: str = "trainer") -> dict:
+    return {"group": group, "values": values, "times": {}, "peak_rss_mb": 0.0, "peak_held": 0}
+
+
+def _scalars(replicas: list[dict]) -> dict:
+    from yatt_hpc.runtime.summary import step_scalars
+
+    reports = [_report(v) for v in replicas] + [_report({}, "rollout"), _report({}, "genrm")]
+    return step_scalars(reports, 1.0, leader_report=reports[0])
+
+
+def test_expert_load_metric_is_the_busiest_experts_tokens_over_the_mean_per_layer_over_every_replica():
+    # two replicas, one layer of 4 experts (layer 1 perfectly balanced): layer 0 gets 6, 2, 2, 2 tokens in all
+    replicas = [{"moe_tokens/0/0": 4.0, "moe_tokens/0/1": 1.0, "moe_tokens/0/2": 1.0, "moe_tokens/0/3": 2.0},
+                {"moe_tokens/0/0": 2.0, "moe_tokens/0/1": 1.0, "moe_tokens/0/2": 1.0, "moe_tokens/0/3": 0.0}]
+    for values in replicas:
+        values.update({f"moe_tokens/1/{e}": 3.0 for e in range(4)})
+    got = _scalars(replicas)
+    assert got["moe/load_max_over_mean/layer0"] == pytest.approx(6.0 / 3.0)
+    assert got["moe/load_max_over_mean/layer1"] == 1.0
+    assert got["moe/load_max_over_mean"] == pytest.approx(2.0)
+    dense = _scalars([{"samples": 4.0}])
+    assert not any(key.startswith("moe/") for key in dense)

@@ -393,6 +393,55 @@ class LocalTopKRouter(TopKRouter):
         return F.linear(input.to(dtype), weight.to(dtype), bias)
 
 
+class ExpertLoad:
+    """Tokens each expert of each MoE layer was given over the forwards counted, pad positions left out.
+
+        load = ExpertLoad(model)          # hooks every router of `model` (none for a dense model)
+        logits = forward_logits(model, inputs)
+        load.count(valid)                 # valid: [B, T] bool, the inputs' real tokens
+        load.take()                       # [layers, experts] float64 counts since the last take, summed over tp
+
+    A router sees [S, B] tokens, S-major, and under tp only its rank's slice of the padded sequence
+    (`TokenSplitMoELayer`); `count` lays `valid` out the same way. A forward not followed by `count` (a shared-prompt
+    stream, a forward-only pass) is dropped at the next forward's first router.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = [m for m in model.modules() if isinstance(m, LocalTopKRouter)]
+        self.maps: list[torch.Tensor | None] = [None] * len(self.routers)
+        self.counts = torch.zeros(len(self.routers), self.routers[0].config.num_moe_experts if self.routers else 0,
+                                  dtype=torch.float64)
+        for index, router in enumerate(self.routers):
+            router.register_forward_hook(self._keep(index))
+
+    def _keep(self, index: int):
+        def hook(module, args, output) -> None:
+            if index == 0:
+                self.maps = [None] * len(self.routers)
+            self.maps[index] = output[1].detach()  # routing_map [tokens, experts]
+        return hook
+
+    def count(self, valid: torch.Tensor) -> None:
+        if not self.routers or self.maps[0] is None:
+            return
+        group = parallel_state.get_tensor_model_parallel_group()
+        tp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        flat = valid.t()  # [S, B], the routers' order
+        if tp > 1:  # this rank's slice of the sequence padded to a multiple of tp (TokenSplitMoELayer)
+            flat = F.pad(flat, (0, 0, 0, -flat.shape[0] % tp)).chunk(tp)[rank]
+        flat = flat.reshape(-1).to(self.maps[0].device)
+        for index, routing in enumerate(self.maps):
+            self.counts[index] += routing[flat].sum(0).to(torch.float64).cpu()
+        self.maps = [None] * len(self.routers)
+
+    def take(self) -> torch.Tensor:
+        counts, self.counts = self.counts, torch.zeros_like(self.counts)
+        group = parallel_state.get_tensor_model_parallel_group()
+        if self.routers and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(counts, group=group)
+        return counts
+
+
 class HeadRMSNorm(torch.nn.RMSNorm):
     """Qwen3's per-head q/k RMSNorm, built by the local spec as ``q_layernorm``/``k_layernorm``.
 

@@ -83,6 +83,7 @@ class UpdateStats:
     logp_diff_max: float = 0.0  # max |trainer logp - rollout logp| before the update: weight-sync health
     optimizer_steps: int = 0
     micro_batch_tokens_max: int = 0  # the largest micro-batch forward, in tokens (train/step_plan.py)
+    expert_load: np.ndarray | None = None  # a MoE policy: [layers, experts] tokens routed in the update, this replica
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class MegatronPolicy(StageUpdate):
         self.images = images  # a vision-language policy's image processor, else None
         self.vocab_size = hf_config.get_text_config().vocab_size
         self.moe = describe_hf_config(hf_config, 1).moe is not None  # its aux loss's scale, per mini-batch
+        self.expert_load = megatron_model.ExpertLoad(model) if self.moe else None  # tokens per expert, for metrics
         self.named_params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # not a frozen tower
         self.mixed = any(p.dtype != torch.float32 for p in self.named_params.values())
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -225,6 +227,8 @@ class MegatronPolicy(StageUpdate):
                 setattr(totals, key, float(value))
         for key in ("kl", "entropy", "clip_frac", "tokens"):  # sums over the samples, once each
             setattr(totals, key, getattr(totals, key) / plan.epochs)
+        if self.expert_load is not None:  # collective over tp: every rank of the replica takes it
+            totals.expert_load = self.expert_load.take().numpy()
         totals.loss /= max(steps, 1)  # the mean over optimizer steps of each mini-batch's loss
         totals.grad_norm /= max(steps, 1)
         totals.optimizer_steps = steps
@@ -308,6 +312,9 @@ class MegatronPolicy(StageUpdate):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         images = self.vision_inputs(mb, inputs, pixels)
         logits = megatron_model.forward_logits(self.model, inputs, images=images)
+        if self.expert_load is not None:  # the real tokens' experts: positions before each row's last token
+            lengths = torch.as_tensor(mb.prompt_len + mb.response_len - 1, device=inputs.device)
+            self.expert_load.count(torch.arange(inputs.shape[1], device=inputs.device)[None] < lengths[:, None])
         logp, entropy = token_logprobs_and_entropy(logits, targets, self.tp_group, self.vocab_size,
                                                    self.temperature)
         ref_logp = None
@@ -328,6 +335,8 @@ class MegatronPolicy(StageUpdate):
             update_images.shared_inputs(self.images, mb, layout, pixels, self.device)
         layout, old_logp, adv_tok = layout.to(self.device), old_logp.to(self.device), adv_tok.to(self.device)
         logp, entropy = self._shared_logprobs(self.model, layout, vision)
+        if self.expert_load is not None:  # every stream token is real: a shared prompt's tokens count once
+            self.expert_load.count(torch.ones(1, layout.tokens.shape[0], dtype=torch.bool, device=layout.tokens.device))
         ref_logp = None
         if self.reference is not None and terms.kl_coef:
             with torch.no_grad(), self._as_reference():
