@@ -44,6 +44,13 @@ def test_trainer_features_the_experts_are_not_wired_into_are_refused(lora, recom
     refuse_unsupported_moe(describe_hf_config(tiny_moe_config(), 1), False, "none", 1)  # the plain case runs
 
 
+def test_a_value_model_of_routed_experts_is_refused_naming_the_estimator():
+    from yatt_hpc.critic.model import build_value_model
+
+    with pytest.raises(ValueError, match=r"train\.adv_estimator=gae with a mixture-of-experts model \(qwen3_moe\)"):
+        build_value_model(tiny_moe_config(), tp_size=1)
+
+
 def test_experts_unfused_are_what_save_pretrained_writes_and_fuse_back_bitwise(tmp_path):
     from safetensors.torch import load_file
 
