@@ -16,7 +16,7 @@ from yatt_hpc.placement.weight_transport import shared_gpus, weight_owner, weigh
 from yatt_hpc.sched.routing import RoleSplit, Routes
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_CONFIGS = ["demo_cpu", "demo_tools_cpu", "demo_vlm_cpu", "disjoint_cpu", "partial_cpu"]
+CPU_CONFIGS = ["demo_cpu", "demo_moe_cpu", "demo_tools_cpu", "demo_vlm_cpu", "disjoint_cpu", "partial_cpu"]
 
 
 def cfg(name: str, *overrides: str):
