@@ -18,7 +18,7 @@ TP group explicitly. Layout facts, checked against megatron-core 0.16 ``SelfAtte
   ``head_dim`` wide) too. Vocab rows are zero-padded to a multiple of ``tp_size``, then split.
 * GPT-2 stores linears as ``Conv1D`` ([in, out]); Megatron as [out, in].
 * Mixture of experts (Qwen3-MoE), names as saved on disk (``mlp.experts.{e}.{gate,up,down}_proj.weight``,
-  ``mlp.gate.weight``; transformers fuses them into 3-D parameters in memory, `fuse_hf_experts`): the
+  ``mlp.gate.weight``; transformers fuses them into 3-D parameters in memory: `models.hf_experts`): the
   router ``mlp.router.weight`` is replicated; expert e is ``mlp.experts.local_experts.{e - first}`` of the
   expert-parallel rank that owns it (`Experts`: rank r of ep holds experts r*E/ep .. (r+1)*E/ep - 1, Megatron's
   ``SequentialMLP``), split over TP like a dense SwiGLU MLP.

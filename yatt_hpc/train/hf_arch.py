@@ -291,8 +291,7 @@ def refuse_unsupported_moe(arch: HFArch, lora: bool, recompute: str, pp_size: in
         (pp_size > 1, f"placement.trainer.pp={pp_size}", "pipeline stages take variable-length micro-batches, which "
          "Megatron's all-gather dispatcher refuses (the all-to-all one allocates CUDA streams); set "
          "placement.trainer.pp=1"),
-        (lora, "train.lora.enabled=true", "LoRA's adapters are not mapped onto the experts; set "
-         "train.lora.enabled=false"),
+        (lora, "train.lora.rank > 0", "LoRA's adapters are not mapped onto the experts; set train.lora.rank=0"),
         (recompute != "none", f"train.recompute={recompute!r}", "recomputation through MoE layers is not checked "
          "against the plain path; set train.recompute=none"),
     ]

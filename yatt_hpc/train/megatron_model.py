@@ -359,8 +359,9 @@ class TokenSplitMoELayer(MoELayer):
     the replicated [S, B, H] would reach every expert tp times). Here the sequence is zero-padded to a multiple
     of tp, scattered (backward: all-gather), run through the layer, and gathered back (backward: this rank's
     slice), which is sequence parallelism's region around one MLP. The padded rows are routed like tokens; they
-    count in the load-balancing loss and expert-load metrics, never in a real token's output. The router, which
-    now sees only this rank's tokens, sums its gradient over tp (`LocalTopKRouter`)."""
+    count in the load-balancing loss (computed as Megatron computes it under sequence parallelism), never in a real
+    token's output nor in `ExpertLoad`. The router, which now sees only this rank's tokens, sums its gradient over
+    tp (`LocalTopKRouter`)."""
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         if padding_mask is not None:
