@@ -52,6 +52,7 @@ from yatt_hpc.device.offload import HostParking
 from yatt_hpc.lora.layers import Lora
 from yatt_hpc.metrics.activity import ACTIVITY
 from yatt_hpc.models.hf_config import load_hf_config
+from yatt_hpc.moe.routing_replay import RoutingReplay
 from yatt_hpc.optim.adamw import AdamW
 from yatt_hpc.optim.buckets import GRAD_BUCKET_MB, allreduce_bucketed
 from yatt_hpc.optim.sharded import ShardedAdamW
@@ -121,6 +122,8 @@ class MegatronPolicy(StageUpdate):
         self.vocab_size = hf_config.get_text_config().vocab_size
         self.moe = describe_hf_config(hf_config, 1).moe is not None  # its aux loss's scale, per mini-batch
         self.expert_load = megatron_model.ExpertLoad(model) if self.moe else None  # tokens per expert, for metrics
+        # train.moe_routing_replay: the policy's forwards send response tokens to the engine's experts
+        self.replay = RoutingReplay(model) if cfg.moe_routing_replay else None
         self.named_params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # not a frozen tower
         self.mixed = any(p.dtype != torch.float32 for p in self.named_params.values())
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -264,13 +267,15 @@ class MegatronPolicy(StageUpdate):
                                                     mb.prompt_id)
                 vision = None if self.images is None else \
                     update_images.shared_inputs(self.images, mb, layout, pixels, self.device)
-                logp, _ = self._shared_logprobs(model, layout.to(self.device), vision)
+                with self._replayed(model, mb, layout):
+                    logp, _ = self._shared_logprobs(model, layout.to(self.device), vision)
                 rows = [row[:n] for row, n in zip(logp.float().cpu().numpy(), mb.response_len)]
             else:
                 tokens, _, _ = pack_micro_batch(mb)
                 tokens = tokens.to(self.device)
                 inputs, targets = tokens[:, :-1], tokens[:, 1:]
-                logits = megatron_model.forward_logits(model, inputs, images=self.vision_inputs(mb, inputs, pixels))
+                with self._replayed(model, mb, inputs.shape[1]):
+                    logits = megatron_model.forward_logits(model, inputs, images=self.vision_inputs(mb, inputs, pixels))
                 logp, _ = token_logprobs_and_entropy(logits, targets, self.tp_group, self.vocab_size, self.temperature)
                 padded = logp.float().cpu().numpy()
                 rows = [padded[i, p - 1:p - 1 + n] for i, (p, n) in enumerate(zip(mb.prompt_len, mb.response_len))]
@@ -278,6 +283,15 @@ class MegatronPolicy(StageUpdate):
                 out[i] = row
             ACTIVITY.progress()
         return out
+
+    def _replayed(self, model, mb: SampleBatch, layout: shared_prompt.SharedLayout | int):
+        """The policy's forward of `mb` with the engine's experts (train.moe_routing_replay): `layout` is the
+        shared-prompt stream's, or the padded inputs' width. The reference keeps its own routing."""
+        if self.replay is None or model is not self.model:
+            return contextlib.nullcontext()
+        if isinstance(layout, int):
+            return self.replay.padded(mb, layout)
+        return self.replay.shared(mb, layout)
 
     def _as_reference(self):
         """The reference's forwards: with LoRA the reference is the policy's own model with its adapters off."""
@@ -311,7 +325,8 @@ class MegatronPolicy(StageUpdate):
         tokens, mask, old_logp, adv_tok = (t.to(self.device) for t in (tokens, mask, old_logp, adv_tok))
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         images = self.vision_inputs(mb, inputs, pixels)
-        logits = megatron_model.forward_logits(self.model, inputs, images=images)
+        with self._replayed(self.model, mb, inputs.shape[1]):
+            logits = megatron_model.forward_logits(self.model, inputs, images=images)
         if self.expert_load is not None:  # the real tokens' experts: positions before each row's last token
             lengths = torch.as_tensor(mb.prompt_len + mb.response_len - 1, device=inputs.device)
             self.expert_load.count(torch.arange(inputs.shape[1], device=inputs.device)[None] < lengths[:, None])
@@ -334,7 +349,8 @@ class MegatronPolicy(StageUpdate):
         vision = None if self.images is None else \
             update_images.shared_inputs(self.images, mb, layout, pixels, self.device)
         layout, old_logp, adv_tok = layout.to(self.device), old_logp.to(self.device), adv_tok.to(self.device)
-        logp, entropy = self._shared_logprobs(self.model, layout, vision)
+        with self._replayed(self.model, mb, layout):
+            logp, entropy = self._shared_logprobs(self.model, layout, vision)
         if self.expert_load is not None:  # every stream token is real: a shared prompt's tokens count once
             self.expert_load.count(torch.ones(1, layout.tokens.shape[0], dtype=torch.bool, device=layout.tokens.device))
         ref_logp = None
