@@ -63,3 +63,21 @@ def test_export_hf_of_a_moe_checkpoint_loads_in_transformers_with_the_trainers_l
     assert check.returncode == 0, check.stderr[-3000:]
     gap = json.loads(check.stdout.strip().splitlines()[-1])["export_logits_max_abs_diff"]
     assert gap <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_a_run_with_routing_replay_trains_and_reports_the_gap_and_the_agreement(layout, mpirun, tmp_path):
+    """train.moe_routing_replay in a real run: the rollout ranks' engines record, the batches carry the experts
+    to the trainer (over tp 2, each tensor rank replaying its half of the tokens), and the update trains with
+    them. fp32 engine and trainer route alike, so the replayed routing changes no log-prob beyond rounding
+    (a token replayed at another position would go to other experts) and the agreement is ~1."""
+    policy = save_char_model(char_qwen3_moe(seed=0), tmp_path / "policy")
+    overrides = {**FAST, "model.path": policy, "placement.trainer": LAYOUTS[layout], "train.moe_routing_replay": "true"}
+    sets = [x for key, value in overrides.items() for x in ("--set", f"{key}={value}")]
+    proc = _run("run", CONFIG, "--run-dir", str(tmp_path / "run"), *sets)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = step_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["train/grad_norm"] > 0 and r["train/rollout_logp_diff_max"] < 1e-4, r
+        assert r["moe/routing_agreement"] > 0.99, r

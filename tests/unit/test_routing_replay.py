@@ -120,6 +120,18 @@ def test_an_update_with_replay_trains_the_router(model_dir, batches):
     batch = batches["bfloat16"]
     stats = policy.update(batch, np.linspace(-1, 1, len(batch)).astype(np.float32))
     assert stats.logp_diff_max < 0.05 and not torch.equal(router.detach(), before)
+    # every fed response token replayed at each of 2 layers; the bf16 engine chose some experts the trainer would not
+    alike, replayed = stats.routing_agreement
+    assert replayed == 2 * (batch.response_len - 1).sum() and 0.5 < alike / replayed < 1
+
+
+def test_routing_agreement_is_the_share_of_replayed_tokens_routed_alike_over_every_replica():
+    from tests.unit.test_moe_arch import _scalars
+
+    scalars = _scalars([{"moe_replay_alike": 30.0, "moe_replay_tokens": 40.0},
+                        {"moe_replay_alike": 50.0, "moe_replay_tokens": 60.0}])
+    assert scalars["moe/routing_agreement"] == pytest.approx(0.8)
+    assert "moe/routing_agreement" not in _scalars([{"moe_tokens/0/0": 3.0}])  # replay off: no such metric
 
 
 def test_the_routing_columns_travel_on_the_wire_and_in_checkpoints(batches):

@@ -36,6 +36,7 @@ class ReplayTopK:
 
     def __init__(self) -> None:
         self.target: torch.Tensor | None = None  # [tokens, k] int64, -1 rows: the router's own choice
+        self.agreed = self.replayed = 0  # in forwards with gradients: tokens replayed, and those routed alike
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         probs, top = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
@@ -45,7 +46,12 @@ class ReplayTopK:
         if target.shape != top.shape:
             raise RuntimeError(f"routing replay: {tuple(target.shape)} recorded experts for a router that routes "
                                f"{tuple(top.shape)}")
-        top = torch.where(target[:, :1] >= 0, target, top)
+        recorded = target[:, 0] >= 0
+        if torch.is_grad_enabled():  # the update's forwards: would the trainer's router have chosen the same?
+            alike = (top.sort(1).values == target.sort(1).values).all(1)
+            self.agreed += int((alike & recorded).sum())
+            self.replayed += int(recorded.sum())
+        top = torch.where(recorded[:, None], target, top)
         return scores.gather(1, top), top
 
 
@@ -64,6 +70,17 @@ class RoutingReplay:
             router.router_replay = ReplayTopK()
             self.replays.append(router.router_replay)
         self.topk = routers[0].topk
+
+    def take_agreement(self) -> np.ndarray:
+        """[tokens routed alike, tokens replayed] over every layer since the last take (the update's forwards),
+        summed over tp; the engine/trainer routing agreement is their ratio (`moe/routing_agreement`)."""
+        counts = torch.tensor([[r.agreed, r.replayed] for r in self.replays], dtype=torch.float64).sum(0)
+        for replay in self.replays:
+            replay.agreed = replay.replayed = 0
+        group = parallel_state.get_tensor_model_parallel_group()
+        if torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(counts, group=group)
+        return counts.numpy()
 
     def per_token(self, mb: SampleBatch) -> list[np.ndarray]:
         """Each sample's recorded experts, [response_len, layers, k]; a ValueError for a sample without them."""

@@ -111,7 +111,9 @@ def _off_policy(reports: list[dict]) -> dict[str, float]:
 def _moe(reports: list[dict]) -> dict[str, float]:
     """`moe/...`: a mixture-of-experts policy's expert load in the step's update, from the tokens each replica routed
     to each expert of each layer (`moe_tokens/{layer}/{expert}`): per layer the busiest expert's tokens over the
-    mean (1 is perfectly balanced, E/k the most skewed), and the worst layer's. Absent for a dense policy."""
+    mean (1 is perfectly balanced, E/k the most skewed), and the worst layer's. Absent for a dense policy. With
+    train.moe_routing_replay, the share of replayed (token, layer) routings the trainer's own router would have
+    chosen alike (`moe/routing_agreement`)."""
     layers: dict[int, dict[int, float]] = {}
     for report in reports:
         if report["group"] != "trainer":
@@ -127,6 +129,10 @@ def _moe(reports: list[dict]) -> dict[str, float]:
         out[f"moe/load_max_over_mean/layer{layer}"] = max(experts.values()) / mean if mean else 1.0
     if out:
         out["moe/load_max_over_mean"] = max(out.values())
+    trainers = [r["values"] for r in reports if r["group"] == "trainer"]
+    replayed = sum(v.get("moe_replay_tokens", 0.0) for v in trainers)
+    if replayed:
+        out["moe/routing_agreement"] = sum(v.get("moe_replay_alike", 0.0) for v in trainers) / replayed
     return out
 
 

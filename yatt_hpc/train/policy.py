@@ -85,6 +85,7 @@ class UpdateStats:
     optimizer_steps: int = 0
     micro_batch_tokens_max: int = 0  # the largest micro-batch forward, in tokens (train/step_plan.py)
     expert_load: np.ndarray | None = None  # a MoE policy: [layers, experts] tokens routed in the update, this replica
+    routing_agreement: np.ndarray | None = None  # train.moe_routing_replay: [routed alike, replayed] (token, layer)s
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,8 @@ class MegatronPolicy(StageUpdate):
             setattr(totals, key, getattr(totals, key) / plan.epochs)
         if self.expert_load is not None:  # collective over tp: every rank of the replica takes it
             totals.expert_load = self.expert_load.take().numpy()
+        if self.replay is not None:  # collective over tp, as above
+            totals.routing_agreement = self.replay.take_agreement()
         totals.loss /= max(steps, 1)  # the mean over optimizer steps of each mini-batch's loss
         totals.grad_norm /= max(steps, 1)
         totals.optimizer_steps = steps
