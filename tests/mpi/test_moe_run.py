@@ -2,7 +2,7 @@
 dp 2 (every rank every expert) or tp 2 (each expert split, each tensor rank routing half the tokens), the HF
 engine taking the experts one by one by their checkpoint names, then `ckpt export-hf` loaded by transformers.
 
-    YATT_FULL_FAULT_MATRIX=1 .venv/bin/python -m pytest tests/mpi/test_moe_run.py -q     # ~35 s: in `make test-faults`
+    YATT_FULL_FAULT_MATRIX=1 .venv/bin/python -m pytest tests/mpi/test_moe_run.py -q     # ~80 s: in `make test-faults`
 """
 from __future__ import annotations
 
