@@ -173,6 +173,7 @@ def test_a_dense_model_is_refused_by_the_engine_and_the_trainer(one_rank_world):
     pytest.param({"rollout": {"engine": "sglang"}}, "enable_return_routed_experts", id="sglang"),
     pytest.param({"rollout": {"partial_rollouts": True, "max_staleness": 1}, "placement": {"mode": "disjoint"}},
                  "rollout.partial_rollouts=false", id="partial"),
+    pytest.param({"agent": {"tools": [{"function": "builtin:python"}]}}, "drop the agent: section", id="agent"),
 ])
 def test_what_cannot_record_routing_is_refused_naming_the_field(override, message):
     raw = {"train": {"moe_routing_replay": True}, **override}
