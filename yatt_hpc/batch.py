@@ -75,8 +75,8 @@ class SampleBatch:
     # no loss, ratio, KL or entropy there; docs/agentic.md); all ones when a batch is built without it
     response_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
     env_reward: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # agent.environment's, summed
-    # the experts the engine's router chose for each response token it fed back as an input (train.moe_routing_replay):
-    # [response_len, MoE layers, top k] flat, -1 where the engine routed nothing (the last token); length 0 unrecorded
+    # the experts the engine's routers chose for each token it fed (train.moe_routing_replay): [prompt_len +
+    # response_len, MoE layers, top k] flat, -1 where it routed nothing (the last response token); length 0 unrecorded
     routed_experts_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     routed_experts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int16))
 

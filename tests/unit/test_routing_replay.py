@@ -60,9 +60,9 @@ def _gap(model_dir, batch: SampleBatch, replay: bool, share_prompts: bool) -> np
     return np.abs(np.concatenate(policy.logprobs_of(policy.model, batch)) - batch.logprobs)
 
 
-def test_the_engine_records_the_experts_of_each_token_it_feeds_back(model_dir, batches):
-    """fp32: the recorded experts are HF's own top k at each response token's position of a teacher-forced
-    forward; the last token of a response, never fed, is -1."""
+def test_the_engine_records_the_experts_of_each_token_it_feeds(model_dir, batches):
+    """fp32: the recorded experts (the prefill's for the prompt, the decode steps' for the response) are HF's own
+    top k at each position of a teacher-forced forward; the last token of a response, never fed, is -1."""
     from transformers import AutoModelForCausalLM
 
     batch = batches["float32"]
@@ -75,9 +75,9 @@ def test_the_engine_records_the_experts_of_each_token_it_feeds_back(model_dir, b
         seen.clear()
         with torch.no_grad():
             model(torch.from_numpy(np.concatenate([prompt, response]).astype(np.int64))[None])
-        routed = routed.reshape(len(response), len(seen), 2)
+        routed = routed.reshape(len(prompt) + len(response), len(seen), 2)
         for layer, ids in enumerate(seen):
-            hf = ids[len(prompt):len(prompt) + len(response) - 1].sort(-1).values.numpy()
+            hf = ids[:-1].sort(-1).values.numpy()
             assert np.array_equal(np.sort(routed[:-1, layer], -1), hf), (i, layer)
         assert (routed[-1] == -1).all()
 
@@ -120,9 +120,11 @@ def test_an_update_with_replay_trains_the_router(model_dir, batches):
     batch = batches["bfloat16"]
     stats = policy.update(batch, np.linspace(-1, 1, len(batch)).astype(np.float32))
     assert stats.logp_diff_max < 0.05 and not torch.equal(router.detach(), before)
-    # every fed response token replayed at each of 2 layers; the bf16 engine chose some experts the trainer would not
+    # every fed token replayed at each of 2 layers (a group's prompt once: the shared-prompt stream), and the bf16
+    # engine chose some experts the trainer would not
     alike, replayed = stats.routing_agreement
-    assert replayed == 2 * (batch.response_len - 1).sum() and 0.5 < alike / replayed < 1
+    prompts = batch.prompt_len[::SAMPLES_PER_PROMPT].sum()
+    assert replayed == 2 * (prompts + (batch.response_len - 1).sum()) and 0.5 < alike / replayed < 1
 
 
 def test_routing_agreement_is_the_share_of_replayed_tokens_routed_alike_over_every_replica():
@@ -136,7 +138,7 @@ def test_routing_agreement_is_the_share_of_replayed_tokens_routed_alike_over_eve
 
 def test_the_routing_columns_travel_on_the_wire_and_in_checkpoints(batches):
     batch = batches["float32"]
-    assert batch.routed_experts_len.tolist() == (batch.response_len * 2 * 2).tolist()
+    assert batch.routed_experts_len.tolist() == ((batch.prompt_len + batch.response_len) * 2 * 2).tolist()
     moved = from_wire(SampleBatch.concat([batch]).wire().copy()).select(np.array([3, 1]))
     assert np.array_equal(np.concatenate(moved.ragged("routed_experts")),
                           np.concatenate([batch.ragged("routed_experts")[i] for i in (3, 1)]))

@@ -232,10 +232,10 @@ class TrainConfig(Section):
     once per sample (a GRPO group's samples share it; `train/shared_prompt.py`): the same logprobs and
     gradients from fewer tokens. False pads every sample to its own row."""
     moe_routing_replay: bool = False
-    """Mixture-of-experts policies (docs/moe.md): the engine records the experts its routers chose for each sampled
-    token, and the trainer's forward sends each response token to those experts instead of its own router's top k
-    (the routing probabilities, and the router's gradient, still come from the trainer's router; prompt tokens keep
-    the trainer's routing). The hf engine only; refused with sglang, agent rollouts and partial rollouts."""
+    """Mixture-of-experts policies (docs/moe.md): the engine records the experts its routers chose for each prompt
+    and response token, and the trainer's forward sends each token to those experts instead of its own router's top
+    k (the routing probabilities, and the router's gradient, still come from the trainer's router). The hf engine
+    only; refused with sglang, agent rollouts and partial rollouts."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation (Megatron-Core's; Korthikanti et al. 2022, arXiv 2205.05198): `none` keeps every
     activation for the backward; `selective` recomputes each layer's core attention in the backward (Megatron's

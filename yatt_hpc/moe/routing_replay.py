@@ -6,11 +6,13 @@
     with replay.shared(mb, layout):                   # the shared-prompt stream (train/shared_prompt.py)
         logits = forward_shared(model, layout)
 
-A response token fed as an input goes to the experts the engine's router chose for it (the batch's
-`routed_experts`, recorded by `rollout/routing_record.py`); prompt tokens, pads and a response's last token keep
-the trainer's own top k. As Megatron-Core's `RouterReplay` (REPLAY_FORWARD) and verl/slime's routing replay do,
-only the choice is replayed: the routing probabilities are the trainer's router scores gathered at the replayed
-experts (renormalised over them as the router's softmax does), so the router still gets its gradient. The
+Every token fed as an input goes to the experts the engine's routers chose for it (the batch's `routed_experts`,
+recorded by `rollout/routing_record.py`): a prompt token to its prefill's, a response token to those of the
+decode step it was fed to; pads and a response's last token keep the trainer's own top k. The shared-prompt
+stream computes a group's prompt once, with the routing recorded for the group's first sample in the micro-batch.
+As Megatron-Core's `RouterReplay` (REPLAY_FORWARD) and verl/slime's routing replay do, only the choice is
+replayed: the routing probabilities are the trainer's router scores gathered at the replayed experts
+(renormalised over them as the router's softmax does), so the router still gets its gradient. The
 load-balancing loss counts the router's own top k, as Megatron's does under replay.
 """
 from __future__ import annotations
@@ -83,36 +85,42 @@ class RoutingReplay:
         return counts.numpy()
 
     def per_token(self, mb: SampleBatch) -> list[np.ndarray]:
-        """Each sample's recorded experts, [response_len, layers, k]; a ValueError for a sample without them."""
+        """Each sample's recorded experts, [prompt_len + response_len, layers, k]; a ValueError for a sample
+        without them."""
         width = len(self.replays) * self.topk
         out = []
-        for i, (n, routed) in enumerate(zip(mb.response_len, mb.ragged("routed_experts"))):
+        for i, (n, routed) in enumerate(zip(mb.prompt_len + mb.response_len, mb.ragged("routed_experts"))):
             if routed.size != n * width:
                 raise ValueError(f"train.moe_routing_replay=true but sample {int(mb.sample_id[i])} carries "
-                                 f"{routed.size} recorded expert ids for {n} response tokens x {len(self.replays)} "
-                                 f"MoE layers x top {self.topk}: its engine did not record this model's routing "
-                                 "(rollout.engine=hf records it when the option is on)")
+                                 f"{routed.size} recorded expert ids for {n} prompt and response tokens x "
+                                 f"{len(self.replays)} MoE layers x top {self.topk}: its engine did not record this "
+                                 "model's routing (rollout.engine=hf records it when the option is on)")
             out.append(routed.reshape(n, len(self.replays), self.topk).astype(np.int64))
         return out
 
     @contextlib.contextmanager
     def padded(self, mb: SampleBatch, width: int) -> Iterator[None]:
-        """The padded rows' forward ([B, width] inputs: sample i's response token j at P_i + j)."""
+        """The padded rows' forward ([B, width] inputs: sample i's prompt, then its response from P_i on)."""
         target = torch.full((width, len(mb), len(self.replays), self.topk), -1, dtype=torch.long)
-        for row, (p, routed) in enumerate(zip(mb.prompt_len, self.per_token(mb))):
-            fed = routed[:max(len(routed) - 1, 0)]  # the last token is no input
-            target[p:p + len(fed), row] = torch.from_numpy(fed)
+        for row, routed in enumerate(self.per_token(mb)):
+            fed = routed[:len(routed) - 1]  # the last token is no input
+            target[:len(fed), row] = torch.from_numpy(fed)
         with self._active(target):
             yield
 
     @contextlib.contextmanager
     def shared(self, mb: SampleBatch, layout: SharedLayout) -> Iterator[None]:
-        """The shared-prompt stream's forward (sample i's response input j at `layout.response_rows[i, j]`)."""
+        """The shared-prompt stream's forward: distinct prompt g's token j at `layout.prompt_rows[g, j]`, sample i's
+        response input j at `layout.response_rows[i, j]`."""
         target = torch.full((layout.tokens.shape[0], len(self.replays), self.topk), -1, dtype=torch.long)
-        rows = layout.response_rows.cpu()
-        for i, routed in enumerate(self.per_token(mb)):
-            fed = routed[:max(len(routed) - 1, 0)]
-            target[rows[i, :len(fed)]] = torch.from_numpy(fed)
+        responses, prompts = layout.response_rows.cpu(), layout.prompt_rows.cpu()
+        routed = self.per_token(mb)
+        for g, first in enumerate(layout.group_first.tolist()):
+            p = int(mb.prompt_len[first])
+            target[prompts[g, :p]] = torch.from_numpy(routed[first][:p])
+        for i, (p, n) in enumerate(zip(mb.prompt_len, mb.response_len)):
+            fed = routed[i][p:p + max(int(n) - 1, 0)]
+            target[responses[i, :len(fed)]] = torch.from_numpy(fed)
         with self._active(target[:, None]):
             yield
 

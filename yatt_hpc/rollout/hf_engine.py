@@ -237,11 +237,13 @@ class HFEngine(HFWeightUpdates, BaseEngine):
         done = torch.zeros(rows, dtype=torch.bool, device=device)  # per row computed: finished
         finished = 0  # rows computed that are finished (they ride along until a shed)
         routed = None if self._recorder is None else self._recorder.buffer(rows, steps)
+        # each request's prompt experts: unrouted (-1) until the prefill runs (an abort may come first)
+        prefill_routed = [] if routed is None else [self._recorder.buffer(1, len(r.prompt_ids))[0] for r in requests]
 
         def report(places: torch.Tensor, length: int, stop: list[bool], ended: bool) -> None:
             for i, stopped in zip(present[places].tolist(), stop):
                 results[i] = self._result(requests[i], tokens[i, :length], logprobs[i, :length], stopped, ended,
-                                          None if routed is None else routed[i, :length])
+                                          None if routed is None else torch.cat([prefill_routed[i], routed[i, :length]]))
                 if on_result is not None:
                     on_result(results[i])
 
@@ -250,7 +252,9 @@ class HFEngine(HFWeightUpdates, BaseEngine):
                 break
             logits = self._forward(input_ids, mask[:, :width + step], positions, cache, prefill if step == 0 else {})
             if routed is not None and step:  # the experts of the tokens sampled at the step before
-                routed[present.cpu(), step - 1] = self._recorder.take(len(present))
+                routed[present.cpu(), step - 1] = self._recorder.take(len(present))[:, 0]
+            elif routed is not None:  # the prefill's, each request's prompt positions of its distinct row
+                prefill_routed = self._prompt_routing(requests, len(distinct), repeats, width)
             if step == 0 and repeats is not None:  # every request its own row from here on
                 positions, logits, mask = shed(repeats.to(device), cache, positions, logits, mask)
             ACTIVITY.progress()  # one decode step: the health monitor sees a long generation move
@@ -278,6 +282,14 @@ class HFEngine(HFWeightUpdates, BaseEngine):
         live = (~done).nonzero().squeeze(1)  # aborted: the rows still running have `step` tokens each
         report(live, step, [False] * len(live), False)
         return results  # type: ignore[return-value]
+
+    def _prompt_routing(self, requests: list[GenerationRequest], rows: int, repeats: torch.Tensor | None,
+                        width: int) -> list[torch.Tensor]:
+        """Each request's prompt tokens' experts in the prefill just run (`rows` distinct prompts, left-padded to
+        `width`; `repeats`: each request's row, None when every request has its own)."""
+        prefill = self._recorder.take(rows, width)
+        row_of = range(len(requests)) if repeats is None else repeats.tolist()
+        return [prefill[row, width - len(r.prompt_ids):] for r, row in zip(requests, row_of)]
 
     def _vision_prefill(self, requests: list[GenerationRequest], input_ids: torch.Tensor,
                         mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
