@@ -181,3 +181,25 @@ def test_what_cannot_record_routing_is_refused_naming_the_field(override, messag
     raw = {"train": {"moe_routing_replay": True}, **override}
     with pytest.raises(ValueError, match=message):
         RunConfig.model_validate(raw)
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prompt", "padded"])
+def test_replay_takes_the_prompts_and_responses_recorded_experts_and_never_the_last_tokens(model_dir, batches, share):
+    from yatt_hpc.train.policy import MegatronPolicy
+
+    policy = MegatronPolicy.from_hf(model_dir, 0, 1, TrainConfig(moe_routing_replay=True, micro_batch_size=16,
+                                                                 share_prompts=share))
+    batch = batches["float32"]
+    base = np.concatenate(policy.logprobs_of(policy.model, batch))
+
+    def changed(where) -> float:  # the largest log-prob move when experts (1, 0) replace the recorded ones at `where`
+        routed = [r.reshape(-1, 2, 2).copy() for r in batch.ragged("routed_experts")]
+        for r, p in zip(routed, batch.prompt_len):
+            r[where(p, len(r))] = (1, 0) if (r[where(p, len(r))] != (1, 0)).any() else (2, 3)
+        moved = batch.select(np.arange(len(batch)), routed_experts_len=batch.routed_experts_len,
+                             routed_experts=np.concatenate([r.reshape(-1) for r in routed]))
+        return float(np.abs(np.concatenate(policy.logprobs_of(policy.model, moved)) - base).max())
+
+    assert changed(lambda p, n: slice(0, p)) > 1e-3  # the prompt's experts
+    assert changed(lambda p, n: slice(p, n - 1)) > 1e-3  # the response's fed tokens
+    assert changed(lambda p, n: slice(n - 1, n)) == 0.0  # the last token: no input, nothing to replay
