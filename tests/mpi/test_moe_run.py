@@ -1,8 +1,9 @@
 """Real `yatt-hpc run` of a mixture-of-experts policy: a random tiny Qwen3-MoE over the demo's tokenizer, trainer
 dp 2 (every rank every expert) or tp 2 (each expert split, each tensor rank routing half the tokens), the HF
-engine taking the experts one by one by their checkpoint names, then `ckpt export-hf` loaded by transformers.
+engine taking the experts one by one by their checkpoint names, then `ckpt export-hf` loaded by transformers; and
+runs with routing replay (`train.moe_routing_replay`) at dp 2 and tp 2.
 
-    YATT_FULL_FAULT_MATRIX=1 .venv/bin/python -m pytest tests/mpi/test_moe_run.py -q     # ~80 s: in `make test-faults`
+    YATT_FULL_FAULT_MATRIX=1 .venv/bin/python -m pytest tests/mpi/test_moe_run.py -q   # ~3 min on 2 busy cores; make test-faults
 """
 from __future__ import annotations
 
