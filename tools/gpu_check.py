@@ -17,6 +17,8 @@ ranks on one device, full colocation), so every engine runs inside the MPI world
   sglang-collective  2 GPUs (SKIP with fewer): partial, trainer tp2 on GPUs 0-1, two SGLang rollout engines
                  on GPUs 0 and 1: auto sends GPU 1's by NCCL broadcast (init_weights_update_group,
                  update_weights_from_distributed) and GPU 0's by CUDA IPC (logprob gap; MPI carried no tensor)
+  moe-demo       the demo loop with the mixture-of-experts policy (models/demo_moe): Megatron's MoE layers on CUDA
+                 with the all-to-all token dispatcher, experts synced to the hf engine (logprob gap < 1e-4)
   recompute-budget  the demo loop with train.recompute=full and train.max_tokens_per_micro_batch on CUDA
   sharded-optim  2 GPUs (SKIP with fewer): partial, trainer dp2 with train.shard_optimizer over NCCL
   pp-nccl        2 GPUs (SKIP with fewer): tests/programs/pp_update.py at pp1 and pp2 (NCCL point to point
@@ -202,6 +204,7 @@ def main() -> int:
               "hf-fp32": lambda: check_demo(out, "hf-fp32", [], gap=1e-4),
               "bf16-train": lambda: check_demo(out, "bf16-train", ["--set", "model.dtype=bfloat16"], gap=0.5),
               "sglang-world": lambda: check_demo(out, "sglang-world", SGLANG + MPI_WEIGHTS, gap=0.5),
+              "moe-demo": lambda: check_demo(out, "moe-demo", ["--set", "model.path=models/demo_moe/policy"], gap=1e-4),
               "recompute-budget": lambda: check_demo(out, "recompute-budget", [
                   "--set", "train.recompute=full", "--set", "train.max_tokens_per_micro_batch=256"], gap=1e-4),
               "sharded-optim": lambda: check_demo(out, "sharded-optim", TWO_GPUS + [  # trainer dp2 instead of tp2

@@ -6,7 +6,8 @@
 Per-sample columns hold one value per sample; the RAGGED token columns are stored flat, with a per-sample
 length column (`prompt_len`, `response_len`, `answer_len`, `question_len`, `metadata_len`, and `response_len`
 again for `logprobs` and `token_version`: the weight version, i.e. the step whose weights sampled each
-response token; a batch built without it has version 0 on every token). `question` is the user's text (not the
+response token; a batch built without it has version 0 on every token; `routed_experts_len` for
+`routed_experts`, a MoE engine's routing of each response token, docs/moe.md). `question` is the user's text (not the
 templated prompt), `metadata` the row's other columns as JSON; both reach the reward terms. A row's images
 travel as their ENCODED bytes (`images`, `image_sizes` the byte length of each), once per prompt group: only
 the group's first sample (`sample_id % n == 0`) carries them, the others have `image_count` 0, and
@@ -37,7 +38,7 @@ import numpy as np
 LENGTH_OF = {"prompt_tokens": "prompt_len", "response_tokens": "response_len", "logprobs": "response_len",
              "token_version": "response_len", "answer": "answer_len", "question": "question_len",
              "metadata": "metadata_len", "images": "images_len", "image_sizes": "image_count",
-             "response_mask": "response_len"}
+             "response_mask": "response_len", "routed_experts": "routed_experts_len"}
 """Each ragged (flat) column and the per-sample column holding its length in elements."""
 RAGGED = tuple(LENGTH_OF)
 
@@ -74,6 +75,10 @@ class SampleBatch:
     # no loss, ratio, KL or entropy there; docs/agentic.md); all ones when a batch is built without it
     response_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
     env_reward: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # agent.environment's, summed
+    # the experts the engine's routers chose for each token it fed (train.moe_routing_replay): [prompt_len +
+    # response_len, MoE layers, top k] flat, -1 where it routed nothing (the last response token); length 0 unrecorded
+    routed_experts_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    routed_experts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int16))
 
     def __post_init__(self) -> None:
         self._wire: tuple[np.ndarray, tuple] | None = None  # (buffer, the column objects it backs)
@@ -154,6 +159,8 @@ class SampleBatch:
             given["response_mask"] = np.ones(given["response_tokens"].size, np.uint8)
         if "response_tokens" in given and "token_version" not in given:  # responses without versions: version 0
             given["token_version"] = np.zeros(given["response_tokens"].size, np.int32)
+        if "response_tokens" in given and "routed_experts" not in given:  # responses without recorded routing
+            given["routed_experts_len"], given["routed_experts"] = np.zeros(n, np.int32), np.zeros(0, np.int16)
         _check_given(given)
         gathers: dict[str, np.ndarray] = {}  # per length column: where the picked samples' elements are
         sizes = {}
@@ -235,8 +242,10 @@ def batch_columns(batch: SampleBatch) -> dict[str, np.ndarray]:
 
 
 def batch_from_columns(columns: dict[str, np.ndarray]) -> SampleBatch:
-    """A batch from `batch_columns`' arrays (each column's dtype as the batch defines it)."""
-    return SampleBatch(**{name: np.asarray(columns[name]) for name in COLUMNS})
+    """A batch from `batch_columns`' arrays (each column's dtype as the batch defines it). A checkpoint written
+    before the routing columns existed has none: its samples carry no recorded routing."""
+    return SampleBatch(**{name: np.asarray(columns[name]) for name in COLUMNS
+                          if name in columns or name not in ("routed_experts", "routed_experts_len")})
 
 
 def image_columns(images: list[list[bytes]], n: int) -> dict[str, np.ndarray]:

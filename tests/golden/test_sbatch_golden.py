@@ -22,6 +22,7 @@ SCENARIOS = [
                  id="disjoint-3-components"),
     pytest.param("configs/qwen2_7b_disjoint_1024gpu.yaml", (), None, "disjoint_1024gpu", id="disjoint-1024-gpu"),
     pytest.param("configs/qwen2_72b_disjoint_h200.yaml", (), None, "disjoint_72b_h200", id="disjoint-72b-h200"),
+    pytest.param("configs/qwen3_30b_a3b_disjoint_h200.yaml", (), None, "disjoint_30b_a3b_h200", id="disjoint-30b-a3b-h200"),
     pytest.param("configs/disjoint_cpu.yaml", (), RUN_DIR + "/submitit", "submit_disjoint", id="submit-form"),
     pytest.param("configs/tools_disjoint_cpu.yaml", ("slurm.env.OMPI_MCA_btl=self,tcp",), None, "disjoint_tools_group",
                  id="disjoint-tools-group"),

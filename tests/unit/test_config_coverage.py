@@ -129,6 +129,8 @@ EFFECT: dict[str, str] = {
     "train.balance_flops_coeff": "tests/unit/test_balance.py::"
                                  "test_balance_and_balance_flops_coeff_choose_the_workload_groups_are_split_by",
     "train.share_prompts": "tests/unit/test_shared_prompt.py::test_policy_update_is_the_same_with_shared_prompts",
+    "train.moe_routing_replay":
+        "tests/unit/test_routing_replay.py::test_a_bf16_engines_log_prob_gap_to_the_fp32_trainer_falls_with_replay",
     "train.train_vision_tower": "tests/unit/test_vlm_policy.py::test_train_vision_tower_decides_whether_the_tower_moves",
     "train.lora.rank": f"{LORA}::test_lora_policy_steps_only_the_adapters_and_checkpoints_only_them",
     "train.lora.alpha": f"{LORA}::test_a_fused_qkv_layer_adds_each_modules_scaled_BAx_in_megatrons_group_order",
@@ -195,6 +197,7 @@ EFFECT: dict[str, str] = {
     "placement.trainer.tp": "tests/unit/test_plan.py::test_dp_is_derived_when_null",
     "placement.trainer.pp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
     "placement.trainer.cp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
+    "placement.trainer.ep": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
     "placement.trainer.dp": "tests/unit/test_plan.py::test_dp_is_derived_when_null",
     "placement.trainer.mem": f"{EFFECTS}::test_mem_of_each_group_reaches_its_component",
     "placement.rollout.nodes": "tests/unit/test_sbatch_render.py::test_shared_step_places_each_group_on_every_node_in_rank_order",
@@ -286,6 +289,7 @@ EFFECT: dict[str, str] = {
 }
 
 REFUSED: dict[str, str] = {
+    "train.moe_routing_replay": "tests/unit/test_routing_replay.py::test_what_cannot_record_routing_is_refused_naming_the_field",
     "agent.tools": AGENT_TOOLS,
     "agent.environment_args": AGENT_TOOLS,
     "agent.tool_call_pattern": AGENT_TOOLS,

@@ -23,14 +23,17 @@ ALLOWED = {
     # multi-turn rollouts: the loop drives a rollout/ engine, renders tool turns with the data/ tokenizer; the
     # tools group's calls cross MPI (comm) and its ranks checkpoint their RNG (ckpt)
     "agent": {"config", "rollout", "batch", "data", "comm", "ckpt", "errors"},
-    "rollout": {"metrics.activity", "device", "vision"},  # engines join a weight pair's group (device.weight_group)
+    # engines join a weight pair's group (device.weight_group); a MoE engine takes experts by checkpoint name (models)
+    "rollout": {"metrics.activity", "device", "vision", "models"},
     "train": {"algos", "metrics.activity", "ckpt.optim", "batch", "config", "device", "vision", "models", "optim",
-              "lora.layers"},  # the policy attaches adapters
+              "lora.layers", "moe.routing_replay"},  # the policy attaches adapters and replays routing
     "optim": set(),  # the optimizer: torch only
     # the value model: a GPTModel of train/ with a scalar head, trained with the policy's optimizer machinery
     "critic": {"algos", "batch", "config", "metrics.activity", "models", "train"},
     # LoRA's adapters sit on the Megatron model and move between layouts through the converter's splits
     "lora": {"config", "train.convert", "train.hf_arch", "train.mcore"},
+    # a MoE policy's forward with the engine's experts: the routers of train/'s model, tp from train.mcore
+    "moe": {"batch", "train.mcore", "train.shared_prompt"},
     "algos": set(),  # the formulas: a leaf, and no process group in it (test below)
     "reward": {"rollout", "data", "vision", "models"},  # the judge runs on a rollout engine with the tokenizer data/ loads
     "data": {"config", "demo", "vision"},

@@ -16,7 +16,8 @@ from yatt_hpc.placement.weight_transport import shared_gpus, weight_owner, weigh
 from yatt_hpc.sched.routing import RoleSplit, Routes
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_CONFIGS = ["demo_cpu", "demo_tools_cpu", "demo_vlm_cpu", "disjoint_cpu", "partial_cpu", "tools_disjoint_cpu"]
+CPU_CONFIGS = ["demo_cpu", "demo_moe_cpu", "demo_tools_cpu", "demo_vlm_cpu", "disjoint_cpu", "partial_cpu",
+               "tools_disjoint_cpu"]
 
 
 def cfg(name: str, *overrides: str):
@@ -31,7 +32,7 @@ def transports(name: str, *overrides: str) -> dict[int, str]:
 def test_every_shipped_config_is_decided():
     shipped = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
     assert shipped == sorted([*CPU_CONFIGS, "demo_1gpu", "colocate_gpu", "partial_gpu", "qwen2_7b_disjoint_1024gpu",
-                              "qwen2_72b_disjoint_h200"])
+                              "qwen2_72b_disjoint_h200", "qwen3_30b_a3b_disjoint_h200"])
 
 
 @pytest.mark.parametrize("name", CPU_CONFIGS + ["demo_1gpu"])
@@ -42,6 +43,8 @@ def test_auto_takes_mpi_on_cpu_and_with_the_hf_engine(name):
 def test_auto_on_a_disjoint_gpu_job_broadcasts_to_every_engine():
     got = transports("qwen2_7b_disjoint_1024gpu")
     assert len(got) == 192 and set(got.values()) == {"collective"}  # engines have nodes of their own
+    got = transports("qwen3_30b_a3b_disjoint_h200")  # the MoE policy's 16 engines, every expert to each
+    assert len(got) == 16 and set(got.values()) == {"collective"}
 
 
 def test_auto_on_colocated_gpus_takes_ipc_only_where_an_engine_shares_its_owners_gpu():
@@ -86,7 +89,7 @@ def test_collective_on_cpu_is_gloo_for_every_engine(name):
 
 
 @pytest.mark.parametrize("name", CPU_CONFIGS + ["demo_1gpu", "colocate_gpu", "partial_gpu", "qwen2_7b_disjoint_1024gpu",
-                              "qwen2_72b_disjoint_h200"])
+                              "qwen2_72b_disjoint_h200", "qwen3_30b_a3b_disjoint_h200"])
 def test_mpi_is_mpi_everywhere(name):
     assert set(transports(name, "rollout.weight_transport=mpi").values()) == {"mpi"}
 

@@ -44,6 +44,12 @@ class GroupPlacement(Section):
 class TrainerPlacement(GroupPlacement):
     """Trainer group: Megatron ranks laid out tp-cp-dp-pp."""
 
+    ep: int = Field(1, ge=1)
+    """Expert-parallel size for a mixture-of-experts policy: each rank holds 1/ep of every layer's experts
+    (each expert split over tp as a dense MLP is). Megatron-Core requires ep to divide dp (its expert tensor
+    parallelism stays tp). Only 1 runs today: the planner checks a larger ep against the layout, then refuses it
+    (docs/moe.md)."""
+
 
 class EnginePlacement(GroupPlacement):
     """Rollout or GenRM group: engine replicas laid out tp-pp-dp (one controller rank per replica)."""

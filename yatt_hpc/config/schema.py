@@ -34,7 +34,7 @@ class ModelConfig(Section):
     path: str = "models/demo/policy"
     """Directory of the initial policy in Hugging Face layout (config.json + *.safetensors + tokenizer).
     Relative paths are resolved against the working directory of `yatt-hpc run`."""
-    arch: Literal["auto", "gpt2", "llama", "qwen2", "qwen3"] = "auto"
+    arch: Literal["auto", "gpt2", "llama", "qwen2", "qwen3", "qwen3_moe"] = "auto"
     """Architecture the Megatron <-> HF converter uses. `auto` takes `model_type` from config.json; a named
     arch is checked against config.json before launch and a mismatch refuses the run."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -231,6 +231,11 @@ class TrainConfig(Section):
     """Run each distinct prompt (and its images) through the trainer's forward once per micro-batch instead of
     once per sample (a GRPO group's samples share it; `train/shared_prompt.py`): the same logprobs and
     gradients from fewer tokens. False pads every sample to its own row."""
+    moe_routing_replay: bool = False
+    """Mixture-of-experts policies (docs/moe.md): the engine records the experts its routers chose for each prompt
+    and response token, and the trainer's forward sends each token to those experts instead of its own router's top
+    k (the routing probabilities, and the router's gradient, still come from the trainer's router). The hf engine
+    only; refused with sglang, agent rollouts and partial rollouts."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation (Megatron-Core's; Korthikanti et al. 2022, arXiv 2205.05198): `none` keeps every
     activation for the backward; `selective` recomputes each layer's core attention in the backward (Megatron's
@@ -611,6 +616,7 @@ class RunConfig(Section):
             raise ValueError(f"checkpoint.load_from={self.checkpoint.load_from!r} with train.lora.rank={self.train.lora.rank}: "
                              "adapters start from the base model at model.path; export that checkpoint with `yatt-hpc "
                              "ckpt export-hf` and point model.path at the export, or drop checkpoint.load_from")
+        self._check_routing_replay()
         engines = ("rollout",) + (("genrm",) if self.reward.mode != "rule_only" else ())
         for group in engines:
             shape = getattr(self.placement, group)
@@ -623,3 +629,20 @@ class RunConfig(Section):
                                  f"placement.{group}.tp=1 or rollout.engine=sglang")
         check_agent_fits(self)
         return self
+
+    def _check_routing_replay(self) -> None:
+        if not self.train.moe_routing_replay:
+            return
+        if self.rollout.engine == "sglang":
+            raise ValueError("train.moe_routing_replay=true with rollout.engine=sglang: the SGLang engine here does not "
+                             "ask SGLang for its routed experts (its server flag enable_return_routed_experts and the "
+                             "request's return_routed_experts, meta_info['routed_experts']); use rollout.engine=hf or "
+                             "set train.moe_routing_replay=false")
+        if self.agent.enabled:
+            raise ValueError("train.moe_routing_replay=true with an agent: section: the tool turns' tokens are fed to "
+                             "the engine as prompt text, whose routing is not recorded; drop the agent: section or "
+                             "set train.moe_routing_replay=false")
+        if self.rollout.partial_rollouts:
+            raise ValueError("train.moe_routing_replay=true with rollout.partial_rollouts=true: a continued sample's "
+                             "earlier segments are re-fed as prompt, whose routing is not recorded; set "
+                             "rollout.partial_rollouts=false or train.moe_routing_replay=false")

@@ -53,6 +53,12 @@ def build_value_model(hf_config: Any, tp_size: int, params_dtype: torch.dtype = 
                       recompute: megatron_model.Recompute | None = None):
     """This rank's TP shard of its pipeline stage of the value model (random decoder, zero head on the last stage):
     `load_megatron_shard` fills it. Its head is its own, never the embedding: no tied weights to keep in step."""
+    arch = describe_hf_config(hf_config, tp_size)
+    if arch.moe is not None:  # its load-balancing loss, export and checks are not wired (docs/moe.md)
+        raise ValueError(f"train.adv_estimator=gae with a mixture-of-experts model ({arch.family}): a value model of "
+                         "routed experts is not mapped (no token-classification export, no aux-loss scaling for its "
+                         "update); set train.critic.path to a dense model's directory, or use a critic-free "
+                         "estimator such as grpo")
     model = megatron_model.build_gpt_model(hf_config, tp_size, params_dtype=params_dtype,
                                            recompute=recompute or megatron_model.Recompute())
     if model.post_process:

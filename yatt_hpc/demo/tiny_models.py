@@ -5,6 +5,7 @@ benchmarks and `tools/make_demo_models.py` share.
     save_char_model(model, Path("out/policy"))                # safetensors + tokenizer files
     dirs = save_random_pair(Path("out"), n_embd=32)           # {"policy": ..., "judge": ...}
     set_eos_rate(model, 0.02)        # P(eos) ~ 2% per token: near-geometric (long-tail) response lengths
+    moe = char_qwen3_moe(seed=0)     # a random Qwen3-MoE (4 experts, 2 per token) over the same tokenizer
 
 Dropout is off (the RL loop compares trainer and rollout log-probs of the same weights) and the
 embeddings are tied, as in the committed demo models.
@@ -30,6 +31,28 @@ def char_gpt2(n_embd: int = 32, n_layer: int = 2, n_head: int = 2, n_positions: 
     if seed is not None:
         torch.manual_seed(seed)
     return GPT2LMHeadModel(config)
+
+
+def char_qwen3_moe(hidden: int = 32, layers: int = 2, experts: int = 4, topk: int = 2, n_positions: int = 64,
+                   aux_loss_coef: float = 0.01, seed: int | None = None):
+    """A random Qwen3-MoE over the character tokenizer: Qwen3 attention (2 query heads per KV head, q/k norms),
+    every layer `experts` SwiGLU experts of width `hidden`, `topk` per token, renormalised (norm_topk_prob)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = CharTokenizer()
+    config = Qwen3MoeConfig(vocab_size=tok.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                            moe_intermediate_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=hidden // 4, num_experts=experts, num_experts_per_tok=topk,
+                            norm_topk_prob=True, router_aux_loss_coef=aux_loss_coef, max_position_embeddings=n_positions,
+                            tie_word_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                            pad_token_id=tok.pad_id)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # HF starts the router at zero, every expert tied: give each token a preference
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    return model
 
 
 def save_char_model(model, directory: Path) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from yatt_hpc.config.placement import GroupPlacement
+from yatt_hpc.config.placement import GroupPlacement, TrainerPlacement
 from yatt_hpc.config.schema import RunConfig
 
 GROUPS = ("trainer", "rollout", "genrm", "tools")
@@ -206,7 +206,7 @@ def _node_cpus(pc, groups: list[GroupPlan]) -> int | None:
     return pc.node_cpus or max(g.tasks_per_node * g.cpus_per_task for g in groups)
 
 
-def _trainer_layout(gp: GroupPlacement) -> tuple[tuple[str, int], ...]:
+def _trainer_layout(gp: TrainerPlacement) -> tuple[tuple[str, int], ...]:
     f = "placement.trainer"
     ranks = gp.nodes * gp.tasks_per_node
     if gp.devices_per_task > 1:
@@ -228,7 +228,22 @@ def _trainer_layout(gp: GroupPlacement) -> tuple[tuple[str, int], ...]:
     if gp.dp is not None and gp.dp != dp:
         raise PlanError(f"{f}.dp={gp.dp} but {ranks} ranks / (tp*cp*pp={model_par}) gives dp={dp}; "
                         f"set {f}.dp={dp} (or null to derive it) or change nodes/tasks_per_node")
+    _check_expert_parallel(gp, dp)
     return (("tp", gp.tp), ("cp", gp.cp), ("dp", dp), ("pp", gp.pp))
+
+
+def _check_expert_parallel(gp: TrainerPlacement, dp: int) -> None:
+    """Megatron-Core 0.16 builds expert groups of (expert tp = tp) x ep x pp ranks and needs the world to divide
+    into them (parallel_state.initialize_model_parallel): with cp = 1, ep must divide dp."""
+    f = "placement.trainer.ep"
+    if gp.ep == 1:
+        return
+    if dp % gp.ep:
+        raise PlanError(f"{f}={gp.ep} does not divide dp={dp}: Megatron-Core's expert groups need world = tp*ep*pp x "
+                        f"(expert data parallel); pick ep from the divisors of {dp}")
+    raise PlanError(f"{f}={gp.ep} fits this layout, but the trainer's step does not run expert parallelism yet (its "
+                    "data-parallel ranks take micro-batches of different counts and shapes, which the experts' token "
+                    f"exchange cannot); set {f}=1: every rank then holds every expert (docs/moe.md)")
 
 
 def _engine_layout(name: str, gp: GroupPlacement) -> tuple[tuple[str, int], ...]:

@@ -76,8 +76,11 @@ def engine_options(world, cfg) -> dict:
 
 
 def rollout_engine_options(world, cfg) -> dict:
-    """`engine_options` of a rollout engine, plus `rollout.max_batch_size` in the engine's own terms."""
+    """`engine_options` of a rollout engine, plus `rollout.max_batch_size` in the engine's own terms and the
+    recording of its routing (`train.moe_routing_replay`)."""
     opts = engine_options(world, cfg)
+    if cfg.train.moe_routing_replay:  # the policy's engine records its routing (the config refuses sglang with it)
+        opts["record_routing"] = True
     size = cfg.rollout.max_batch_size
     if size is not None:
         opts["max_batch_size" if cfg.rollout.engine == "hf" else "max_running_requests"] = size

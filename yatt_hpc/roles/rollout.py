@@ -269,6 +269,7 @@ class RolloutController(PartialSegments, BaseController):
                                 logprobs=_flat([r.logprobs for r in ordered], np.float32),
                                 token_version=np.full(int(lens.sum()), self.version, np.int32),
                                 finish=np.array([FINISH_CODES[r.finish_reason] for r in ordered], np.int8),
+                                **routing_columns(ordered),
                                 **extra_columns(extra, prompts.sample_id[rows]))
         self.stats.add("response_tokens", float(lens.sum()))
         return filled
@@ -294,6 +295,16 @@ class RolloutController(PartialSegments, BaseController):
 
     def after_resume(self, step: int) -> None:
         self.receive_weights()  # the trainer sends its restored weights
+
+
+def routing_columns(results: list[GenerationResult]) -> dict[str, np.ndarray]:
+    """The batch's `routed_experts` columns of these results (none when the engine records no routing)."""
+    routed = [r.routed_experts for r in results]
+    if all(r is None for r in routed):
+        return {}
+    routed = [np.zeros(0, np.int16) if r is None else r.reshape(-1) for r in routed]
+    return {"routed_experts_len": np.array([r.size for r in routed], np.int32),
+            "routed_experts": _flat(routed, np.int16)}
 
 
 def _flat(arrays: list[np.ndarray], dtype) -> np.ndarray:

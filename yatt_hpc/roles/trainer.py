@@ -516,4 +516,10 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
         self.stats.values["grad_norm"] = update.grad_norm
         self.stats.values["logp_diff_max"] = update.logp_diff_max
         self.stats.values["micro_batch_tokens_max"] = float(update.micro_batch_tokens_max)
+        if update.expert_load is not None and update.expert_load.sum():  # a MoE policy (summary._moe)
+            for (layer, expert), tokens in np.ndenumerate(update.expert_load):
+                self.stats.add(f"moe_tokens/{layer}/{expert}", float(tokens))
+        if update.routing_agreement is not None:  # train.moe_routing_replay (summary._moe)
+            self.stats.add("moe_replay_alike", float(update.routing_agreement[0]))
+            self.stats.add("moe_replay_tokens", float(update.routing_agreement[1]))
 

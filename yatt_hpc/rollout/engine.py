@@ -127,11 +127,17 @@ class GenerationResult:
     """``stop`` (sampled a stop token), ``length`` (hit max_new_tokens) or ``abort`` (cut by ``abort()``)."""
     weight_version: int
     """The engine's ``weight_version`` while this response was sampled."""
+    routed_experts: np.ndarray | None = None
+    """int16 [len(prompt_ids) + len(response_ids), MoE layers, top k]: the experts the engine's routers chose for
+    each prompt token (in the prefill) and each response token when it was fed back as an input (-1 for the last,
+    never fed); None unless the engine records routing."""
 
     def __post_init__(self) -> None:
         assert self.finish_reason in FINISH_REASONS, self.finish_reason
         assert self.response_ids.dtype == np.int32 and self.logprobs.dtype == np.float32
         assert self.response_ids.shape == self.logprobs.shape, (self.response_ids.shape, self.logprobs.shape)
+        assert self.routed_experts is None or \
+            self.routed_experts.shape[0] == self.prompt_ids.shape[0] + self.response_ids.shape[0]
 
 
 class BaseEngine(abc.ABC):

@@ -71,6 +71,7 @@ import torch
 from yatt_hpc.device.offload import HostParking
 from yatt_hpc.device.weight_group import PairGroup
 from yatt_hpc.metrics.activity import ACTIVITY
+from yatt_hpc.models.hf_experts import expert_slots
 from yatt_hpc.rollout.engine import (
     BaseEngine,
     GenerationRequest,
@@ -79,6 +80,7 @@ from yatt_hpc.rollout.engine import (
 from yatt_hpc.rollout.hf_weights import HFWeightUpdates
 from yatt_hpc.rollout.micro_batch import distinct_prompts, live_rows, shed
 from yatt_hpc.rollout.native_gpt2 import load_native, why_not_native
+from yatt_hpc.rollout.routing_record import RoutingRecorder
 from yatt_hpc.rollout.sampling import draw_uniforms, sample_next_tokens
 from yatt_hpc.vision.processor import ImageProcessor, decode_rgb, is_vision_model
 
@@ -103,11 +105,13 @@ class HFEngine(HFWeightUpdates, BaseEngine):
         dtype: str | None = None,
         max_batch_size: int = 64,
         stop_token_ids: Sequence[int] | None = None,
+        record_routing: bool = False,
     ) -> None:
         """``model_dir``: an HF model directory, or an already built causal LM. ``dtype``: e.g. "float32" /
         "bfloat16", None keeps the checkpoint's. ``max_batch_size``: rows
         per decode micro-batch. ``stop_token_ids``: tokens that end a response; None takes the model's
-        eos ids from generation_config.json / config.json."""
+        eos ids from generation_config.json / config.json. ``record_routing``: each result carries the experts a MoE
+        model's routers chose for its tokens (`routing_record.py`; train.moe_routing_replay)."""
         if tp_size != 1:
             raise ValueError(f"engine 'hf' runs one device per replica: tp_size={tp_size}; set tp_size=1 or use 'sglang'")
         if max_batch_size < 1:
@@ -129,11 +133,15 @@ class HFEngine(HFWeightUpdates, BaseEngine):
                  "with the native GPT-2 forward" if self._native else
                  f"through transformers ({'built in memory' if in_memory else why_not_native(model_dir)})")
         self._model = model.to(self._device).eval()
+        self._recorder = RoutingRecorder(self._model) if record_routing else None
         self._seed = seed
         self._max_batch_size = max_batch_size
         self._stop_ids = torch.tensor(sorted(self._resolve_stop_ids(default_stop if stop_token_ids is None
                                                                     else stop_token_ids)), dtype=torch.long)
         self._state_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        # a MoE model's experts arrive under their checkpoint names, one expert each (models/hf_experts.py)
+        self._expert_slots = expert_slots(self._state_shapes)
+        self._state_shapes.update({name: slot[3] for name, slot in self._expert_slots.items()})
         self._tied = self._tied_name_groups(model)
         self._version = 0
         self._mid_update = False
@@ -228,10 +236,14 @@ class HFEngine(HFWeightUpdates, BaseEngine):
         present = torch.arange(rows, device=device)  # the request computed at each row, in cache order
         done = torch.zeros(rows, dtype=torch.bool, device=device)  # per row computed: finished
         finished = 0  # rows computed that are finished (they ride along until a shed)
+        routed = None if self._recorder is None else self._recorder.buffer(rows, steps)
+        # each request's prompt experts: unrouted (-1) until the prefill runs (an abort may come first)
+        prefill_routed = [] if routed is None else [self._recorder.buffer(1, len(r.prompt_ids))[0] for r in requests]
 
         def report(places: torch.Tensor, length: int, stop: list[bool], ended: bool) -> None:
             for i, stopped in zip(present[places].tolist(), stop):
-                results[i] = self._result(requests[i], tokens[i, :length], logprobs[i, :length], stopped, ended)
+                results[i] = self._result(requests[i], tokens[i, :length], logprobs[i, :length], stopped, ended,
+                                          None if routed is None else torch.cat([prefill_routed[i], routed[i, :length]]))
                 if on_result is not None:
                     on_result(results[i])
 
@@ -239,6 +251,10 @@ class HFEngine(HFWeightUpdates, BaseEngine):
             if self._abort.is_set():
                 break
             logits = self._forward(input_ids, mask[:, :width + step], positions, cache, prefill if step == 0 else {})
+            if routed is not None and step:  # the experts of the tokens sampled at the step before
+                routed[present.cpu(), step - 1] = self._recorder.take(len(present))[:, 0]
+            elif routed is not None:  # the prefill's, each request's prompt positions of its distinct row
+                prefill_routed = self._prompt_routing(requests, len(distinct), repeats, width)
             if step == 0 and repeats is not None:  # every request its own row from here on
                 positions, logits, mask = shed(repeats.to(device), cache, positions, logits, mask)
             ACTIVITY.progress()  # one decode step: the health monitor sees a long generation move
@@ -266,6 +282,14 @@ class HFEngine(HFWeightUpdates, BaseEngine):
         live = (~done).nonzero().squeeze(1)  # aborted: the rows still running have `step` tokens each
         report(live, step, [False] * len(live), False)
         return results  # type: ignore[return-value]
+
+    def _prompt_routing(self, requests: list[GenerationRequest], rows: int, repeats: torch.Tensor | None,
+                        width: int) -> list[torch.Tensor]:
+        """Each request's prompt tokens' experts in the prefill just run (`rows` distinct prompts, left-padded to
+        `width`; `repeats`: each request's row, None when every request has its own)."""
+        prefill = self._recorder.take(rows, width)
+        row_of = range(len(requests)) if repeats is None else repeats.tolist()
+        return [prefill[row, width - len(r.prompt_ids):] for r, row in zip(requests, row_of)]
 
     def _vision_prefill(self, requests: list[GenerationRequest], input_ids: torch.Tensor,
                         mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -317,9 +341,8 @@ class HFEngine(HFWeightUpdates, BaseEngine):
             mask[row, width - len(prompt) :] = 1
         return torch.from_numpy(ids).to(self._device), torch.from_numpy(mask).to(self._device)
 
-    def _result(
-        self, request: GenerationRequest, tokens: torch.Tensor, logprobs: torch.Tensor, stopped: bool, done: bool
-    ) -> GenerationResult:
+    def _result(self, request: GenerationRequest, tokens: torch.Tensor, logprobs: torch.Tensor, stopped: bool,
+                done: bool, routed: torch.Tensor | None = None) -> GenerationResult:
         reason = "stop" if stopped else ("length" if done else "abort")
         return GenerationResult(
             sample_id=request.sample_id,
@@ -328,6 +351,7 @@ class HFEngine(HFWeightUpdates, BaseEngine):
             logprobs=logprobs.cpu().numpy().astype(np.float32),
             finish_reason=reason,
             weight_version=self._version,
+            routed_experts=None if routed is None else routed.numpy(),
         )
 
     @staticmethod

@@ -22,12 +22,22 @@ class HFWeightUpdates:
         """Validate the whole bucket, then ``load_state_dict(strict=False)`` it (copies, casting dtype).
 
         Tied weights (e.g. GPT-2's ``lm_head.weight`` = ``transformer.wte.weight``) share storage, so
-        either name updates both; sending both with different values is an error, not a silent pick.
+        either name updates both; sending both with different values is an error, not a silent pick. A MoE
+        model's experts come one by one under their checkpoint names and are written into transformers' fused
+        expert parameters (`_expert_slots`).
         """
         self._check_alive()
         bucket = [(self._memory_name(name), tensor) for name, tensor in named_tensors]
         self._check_bucket(bucket)
         self._mid_update = True
+        experts = [(name, tensor) for name, tensor in bucket if name in self._expert_slots]
+        if experts:
+            fused = self._model.state_dict(keep_vars=True)
+            with torch.no_grad():
+                for name, tensor in experts:
+                    target, expert, rows, _ = self._expert_slots[name]
+                    fused[target][expert, rows].copy_(tensor)
+            bucket = [(name, tensor) for name, tensor in bucket if name not in self._expert_slots]
         self._model.load_state_dict(dict(bucket), strict=False)
         if final:
             self._version = self._version + 1 if version is None else int(version)

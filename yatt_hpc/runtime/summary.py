@@ -51,6 +51,7 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         **_off_policy(reports),
         **_partial(reports),
         **_critic(reports),
+        **_moe(reports),
         "async/staleness": _max_value(reports, "staleness", default=0.0),
         "rollout/response_len_mean": response_tokens / samples,
         "time/step": step_seconds,
@@ -107,6 +108,34 @@ def _off_policy(reports: list[dict]) -> dict[str, float]:
             "off_policy/is_weight_max": _max_value(reports, "is_weight_max", default=0.0),
             "off_policy/truncated_frac": _sum(reports, "is_truncated") / tokens,
             "off_policy/masked_frac": _sum(reports, "is_masked") / tokens}
+
+
+def _moe(reports: list[dict]) -> dict[str, float]:
+    """`moe/...`: a mixture-of-experts policy's expert load in the step's update, from the tokens each replica routed
+    to each expert of each layer (`moe_tokens/{layer}/{expert}`): per layer the busiest expert's tokens over the
+    mean (1 is perfectly balanced, E/k the most skewed), and the worst layer's. Absent for a dense policy. With
+    train.moe_routing_replay, the share of replayed (token, layer) routings the trainer's own router would have
+    chosen alike (`moe/routing_agreement`)."""
+    layers: dict[int, dict[int, float]] = {}
+    for report in reports:
+        if report["group"] != "trainer":
+            continue
+        for key, value in report["values"].items():
+            if key.startswith("moe_tokens/"):
+                _, layer, expert = key.split("/")
+                experts = layers.setdefault(int(layer), {})
+                experts[int(expert)] = experts.get(int(expert), 0.0) + value
+    out = {}
+    for layer, experts in sorted(layers.items()):
+        mean = sum(experts.values()) / len(experts)
+        out[f"moe/load_max_over_mean/layer{layer}"] = max(experts.values()) / mean if mean else 1.0
+    if out:
+        out["moe/load_max_over_mean"] = max(out.values())
+    trainers = [r["values"] for r in reports if r["group"] == "trainer"]
+    replayed = sum(v.get("moe_replay_tokens", 0.0) for v in trainers)
+    if replayed:
+        out["moe/routing_agreement"] = sum(v.get("moe_replay_alike", 0.0) for v in trainers) / replayed
+    return out
 
 
 def _agent(reports: list[dict]) -> dict[str, float]:

@@ -17,6 +17,11 @@ TP group explicitly. Layout facts, checked against megatron-core 0.16 ``SelfAtte
   norms are replicated, Qwen3's per-head ``q_norm``/``k_norm`` (``q_layernorm``/``k_layernorm``,
   ``head_dim`` wide) too. Vocab rows are zero-padded to a multiple of ``tp_size``, then split.
 * GPT-2 stores linears as ``Conv1D`` ([in, out]); Megatron as [out, in].
+* Mixture of experts (Qwen3-MoE), names as saved on disk (``mlp.experts.{e}.{gate,up,down}_proj.weight``,
+  ``mlp.gate.weight``; transformers fuses them into 3-D parameters in memory: `models.hf_experts`): the
+  router ``mlp.router.weight`` is replicated; expert e is ``mlp.experts.local_experts.{e - first}`` of the
+  expert-parallel rank that owns it (`Experts`: rank r of ep holds experts r*E/ep .. (r+1)*E/ep - 1, Megatron's
+  ``SequentialMLP``), split over TP like a dense SwiGLU MLP.
 * A vision-language checkpoint (Qwen2-VL, names as saved on disk and loaded by SGLang): the language
   model converts as above from ``model.*``; the HF vision tower is not converted: ``visual.X`` is the
   trainer model's ``visual.X`` (the same HF module, replicated over TP), copied as is both ways.
@@ -91,12 +96,34 @@ class Stage:
         return range(self.index * per, (self.index + 1) * per)
 
 
-def weight_rules(arch: HFArch, stage: Stage = Stage()) -> list[list[Rule]]:
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """Expert-parallel rank `index` of `count` (the default: every expert on this rank)."""
+
+    index: int = 0
+    count: int = 1
+
+    def owned(self, num_experts: int) -> range:
+        """The global expert numbers this rank holds (Megatron's contiguous split)."""
+        if num_experts % self.count:
+            raise ValueError(f"{num_experts} experts do not split over placement.trainer.ep={self.count}; use an "
+                             f"ep that divides {num_experts}")
+        per = num_experts // self.count
+        return range(self.index * per, (self.index + 1) * per)
+
+
+def weight_rules(arch: HFArch, stage: Stage = Stage(), experts: Experts = Experts()) -> list[list[Rule]]:
     """The rules of `stage`'s tensors grouped in units (embeddings, each layer, head) that stream in model
-    order; Megatron names are the stage's own (local layer numbers), HF names the model's."""
-    layer_rules = _gpt2_layer_rules if arch.family == "gpt2" else _llama_layer_rules
+    order; Megatron names are the stage's own (local layer numbers, local expert numbers of `experts`), HF
+    names the model's."""
     layers = stage.layers(arch.num_layers)
-    units = [[dataclasses.replace(r, megatron=_local_layer(r.megatron, i, i - layers.start)) for r in layer_rules(arch, i)]
+
+    def layer_rules(i: int) -> list[Rule]:
+        if arch.family == "gpt2":
+            return _gpt2_layer_rules(arch, i)
+        return _llama_layer_rules(arch, i, experts)
+
+    units = [[dataclasses.replace(r, megatron=_local_layer(r.megatron, i, i - layers.start)) for r in layer_rules(i)]
              for i in layers]
     if stage.first:
         units.insert(0, _embedding_rules(arch))
@@ -148,7 +175,7 @@ def _gpt2_layer_rules(arch: HFArch, i: int) -> list[Rule]:
     return rules
 
 
-def _llama_layer_rules(arch: HFArch, i: int) -> list[Rule]:
+def _llama_layer_rules(arch: HFArch, i: int, experts: Experts = Experts()) -> list[Rule]:
     m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
     attn, mlp = f"{h}self_attn.", f"{h}mlp."
 
@@ -164,22 +191,38 @@ def _llama_layer_rules(arch: HFArch, i: int) -> list[Rule]:
     if arch.qk_norm:
         rules += [Rule(f"{m}self_attention.{x}_layernorm.weight", (f"{attn}{x}_norm.weight",),
                        Split.REPLICATED) for x in "qk"]
-    return rules + [
+    rules += [
         Rule(f"{m}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), Split.ROW),
         Rule(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",),
              Split.REPLICATED),
-        Rule(f"{m}mlp.linear_fc1.weight", (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"),
-             Split.GATE_UP),
-        Rule(f"{m}mlp.linear_fc2.weight", (f"{mlp}down_proj.weight",), Split.ROW),
     ]
+    if arch.moe is not None:
+        return rules + _expert_rules(arch, m, mlp, experts)
+    return rules + _mlp_rules(f"{m}mlp.", mlp)
+
+
+def _mlp_rules(m: str, h: str) -> list[Rule]:
+    """A SwiGLU MLP: Megatron module `m`, HF module `h` (both with their trailing dot)."""
+    return [Rule(f"{m}linear_fc1.weight", (f"{h}gate_proj.weight", f"{h}up_proj.weight"), Split.GATE_UP),
+            Rule(f"{m}linear_fc2.weight", (f"{h}down_proj.weight",), Split.ROW)]
+
+
+def _expert_rules(arch: HFArch, m: str, mlp: str, experts: Experts) -> list[Rule]:
+    """The router and the experts `experts` owns of one MoE layer (Megatron's ``MoELayer``)."""
+    owned = experts.owned(arch.moe.num_experts)
+    rules = [Rule(f"{m}mlp.router.weight", (f"{mlp}gate.weight",), Split.REPLICATED)]
+    for e in owned:
+        rules += _mlp_rules(f"{m}mlp.experts.local_experts.{e - owned.start}.", f"{mlp}experts.{e}.")
+    return rules
 
 
 # ----------------------------------------------------------------------------- HF -> Megatron
 
 
 def hf_to_megatron(hf_state_dict: StateDict, hf_config: Any, tp_rank: int, tp_size: int,
-                   stage: Stage = Stage()) -> StateDict:
-    """TP rank ``tp_rank``'s Megatron shard of pipeline `stage` of an HF state dict (same dtype, contiguous).
+                   stage: Stage = Stage(), experts: Experts = Experts()) -> StateDict:
+    """TP rank ``tp_rank``'s Megatron shard of pipeline `stage` (and of expert-parallel rank `experts`) of an HF
+    state dict (same dtype, contiguous); a MoE model's experts as saved on disk (`unfuse_hf_experts`).
 
     Replicated tensors may share storage with the input. Raises ``KeyError`` for HF tensors that
     are missing or that no rule consumes, so a checkpoint of another architecture cannot load
@@ -201,8 +244,8 @@ def hf_to_megatron(hf_state_dict: StateDict, hf_config: Any, tp_rank: int, tp_si
     if unknown or missing:
         raise KeyError(f"HF state dict does not match {arch.family}: missing={missing}, "
                        f"unexpected={unknown}")
-    if stage.count > 1:
-        rules = [rule for unit in weight_rules(arch, stage) for rule in unit]
+    if stage.count > 1 or experts.count > 1:
+        rules = [rule for unit in weight_rules(arch, stage, experts) for rule in unit]
     return {rule.megatron: _to_megatron(rule, [hf_state_dict[n] for n in rule.hf], arch, tp_rank,
                                         tp_size).contiguous()
             for rule in rules}
@@ -277,23 +320,27 @@ def stages_to_hf(stage_shards: Sequence[Sequence[StateDict]], hf_config: Any,
 
 
 def iter_megatron_to_hf(
-    shards: Sequence[StateDict], hf_config: Any, emit_tied_lm_head: bool = True, stage: Stage = Stage()
+    shards: Sequence[StateDict], hf_config: Any, emit_tied_lm_head: bool = True, stage: Stage = Stage(),
+    experts: Experts = Experts(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` of pipeline `stage`'s TP shards in model order (embeddings, its layers, head).
+    """Yield ``(hf_name, tensor)`` of pipeline `stage`'s TP shards in model order (embeddings, its layers, head);
+    of a MoE model, the experts expert-parallel rank `experts` holds (the router and the rest: every rank's).
 
     With tied embeddings HF also lists ``lm_head.weight`` (the same tensor as the embedding);
     ``emit_tied_lm_head=False`` skips it, e.g. for inference engines that tie on load.
     """
     arch = describe_hf_config(hf_config, len(shards))
     yield from _iter_hf(arch, lambda rule: [shard[rule.megatron] for shard in shards],
-                        emit_tied_lm_head, list(shards[0]), stage=stage)
+                        emit_tied_lm_head, list(shards[0]), stage=stage, experts=experts)
 
 
 def _iter_hf(arch: HFArch, shards_of, emit_tied_lm_head: bool, megatron_names: Sequence[str],
-             vision: bool = True, stage: Stage = Stage()) -> Iterator[tuple[str, torch.Tensor]]:
-    """Drive ``_to_hf`` over every rule of `stage`; ``shards_of(rule)`` returns that tensor's TP shards.
-    ``megatron_names`` (the trainer-side names) list a vision model's tower tensors (none: ``vision``)."""
-    units = weight_rules(arch, stage)
+             vision: bool = True, stage: Stage = Stage(), experts: Experts = Experts(),
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drive ``_to_hf`` over every rule of `stage` (and expert rank `experts`); ``shards_of(rule)`` returns that
+    tensor's TP shards. ``megatron_names`` (the trainer-side names) list a vision model's tower tensors (none:
+    ``vision``)."""
+    units = weight_rules(arch, stage, experts)
     if arch.vision and vision:
         units.insert(0, vision_rules(megatron_names, MEGATRON_VISION))
     for unit in units:
@@ -343,7 +390,7 @@ def _deinterleave_qkv(fused: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
 
 def iter_gathered_hf_weights(
     model: torch.nn.Module, hf_config: Any, tp_group: Any, emit_tied_lm_head: bool = True, vision: bool = True,
-    stage: Stage = Stage(), local: Mapping[str, torch.Tensor] | None = None,
+    stage: Stage = Stage(), local: Mapping[str, torch.Tensor] | None = None, experts: Experts = Experts(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """All-gather the live model's TP shards one tensor at a time and yield full HF tensors (of the
     model's pipeline `stage`: its layers under their HF names).
@@ -352,7 +399,8 @@ def iter_gathered_hf_weights(
     Collective: every rank of ``tp_group`` must drain the iterator in lockstep. Every rank gets the
     full tensors; callers usually keep them on TP rank 0 only. Peak extra memory is one tensor.
     ``vision=False`` leaves out a vision model's tower (frozen: the engines already hold it). ``local`` stands in
-    for the model's state dict (LoRA's merged weights, computed as each tensor is asked for).
+    for the model's state dict (LoRA's merged weights, computed as each tensor is asked for). A MoE model yields
+    the experts its expert-parallel rank `experts` owns: each expert comes from the ranks that hold it.
     """
     tp_size = torch.distributed.get_world_size(tp_group)
     arch = describe_hf_config(hf_config, tp_size)
@@ -365,7 +413,7 @@ def iter_gathered_hf_weights(
         return _all_gather(tensor, tp_group, tp_size)
 
     names = list(local) if vision else [n for n in local if not n.startswith(MEGATRON_VISION)]
-    yield from _iter_hf(arch, shards_of, emit_tied_lm_head, names, vision, stage)
+    yield from _iter_hf(arch, shards_of, emit_tied_lm_head, names, vision, stage, experts)
 
 
 def gather_hf_state_dict(

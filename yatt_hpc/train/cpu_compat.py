@@ -151,6 +151,42 @@ def pipeline_on_cpu() -> Iterator[None]:
         torch.cuda.current_device, torch.cuda.synchronize, schedules.torch = saved
 
 
+def make_moe_mappings_cpu_safe() -> bool:
+    """Let Megatron's sequence-parallel gather and reduce-scatter allocate on the CPU; False (no-op) on CUDA.
+
+    The MoE all-gather dispatcher moves tokens with ``gather_from_sequence_parallel_region`` and
+    ``reduce_scatter_to_sequence_parallel_region``, whose output buffers are ``torch.empty(...,
+    device=torch.cuda.current_device())`` (tensor_parallel/mappings.py, forward and backward alike). The
+    module's own ``torch`` is replaced by one whose ``cuda.current_device()`` answers ``"cpu"``; the
+    collectives are torch's (Gloo has all_gather_into_tensor and reduce_scatter_tensor).
+    """
+    if not is_cpu_runtime():
+        return False
+    from megatron.core.tensor_parallel import mappings
+
+    if not isinstance(mappings.torch, _CpuDeviceTorch):
+        mappings.torch = _CpuDeviceTorch()
+    return True
+
+
+class _CpuCuda:
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+
+class _CpuDeviceTorch:
+    """``torch`` whose ``torch.cuda.current_device()`` is the CPU (see `make_moe_mappings_cpu_safe`)."""
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
 class _CpuGlobalMemoryBuffer(GlobalMemoryBuffer):
     """``GlobalMemoryBuffer`` that allocates on the CPU instead of the current CUDA device."""
 

@@ -9,7 +9,8 @@ imports neither torch nor megatron: it is plain arithmetic on the config.
 
 Maps: ``gpt2``; ``llama`` (GQA, Llama-3 ``llama3`` and ``linear`` RoPE scaling); ``qwen2`` (Qwen2 and
 Qwen2.5: fixed Q/K/V biases); ``qwen3`` (per-head q/k RMSNorm, ``head_dim`` independent of
-``hidden_size``); ``qwen2_vl`` (Qwen2-VL: its ``text_config`` is a Qwen2 language model with M-RoPE,
+``hidden_size``); ``qwen3_moe`` (Qwen3-MoE: Qwen3 attention, every layer a top-k mixture of SwiGLU experts, no shared
+expert); ``qwen2_vl`` (Qwen2-VL: its ``text_config`` is a Qwen2 language model with M-RoPE,
 ``mrope_section`` (temporal, height, width) rotary channels; the HF vision tower rides along
 unconverted, see ``vision``). A setting the Megatron model would compute differently (sliding windows, other RoPE
 types, other bias layouts, attention dropout) raises, naming the config.json field and its value.
@@ -19,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-Family = Literal["gpt2", "llama", "qwen2", "qwen3"]
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3", "qwen2_vl")
+Family = Literal["gpt2", "llama", "qwen2", "qwen3", "qwen3_moe"]
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_vl")
 VISION_MODEL_TYPES = ("qwen2_vl",)
 
 
@@ -64,11 +65,29 @@ class HFArch:
     vision: bool = False
     """A vision-language checkpoint: besides the language model (``model.*`` on disk) it holds a
     vision tower (``visual.*``), which the trainer keeps as HF's own module."""
+    moe: MoEArch | None = None
+    """A mixture-of-experts model (Qwen3-MoE): every layer's MLP is a routed set of experts; None: dense."""
 
     @property
     def gated_mlp(self) -> bool:
         """SwiGLU MLPs fuse gate and up projections into Megatron's ``linear_fc1``."""
         return self.family != "gpt2"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEArch:
+    """The routed experts of a mixture-of-experts model, as HF's config states them."""
+
+    num_experts: int
+    topk: int
+    """``num_experts_per_tok``: experts each token goes to."""
+    ffn_hidden_size: int
+    """``moe_intermediate_size``: each expert's SwiGLU width."""
+    norm_topk_prob: bool
+    """True: the top-k probabilities are renormalised to sum to 1 (Megatron: softmax over the top-k logits);
+    False: they stay the softmax over all experts (Megatron's ``moe_router_pre_softmax``)."""
+    aux_loss_coeff: float
+    """``router_aux_loss_coef``: the load-balancing loss's weight (Megatron's ``moe_aux_loss_coeff``)."""
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -88,6 +107,8 @@ def describe_hf_config(hf_config: Any, tp_size: int) -> HFArch:
         arch = _describe_gpt2(hf_config, tp_size)
     elif model_type in VISION_MODEL_TYPES:
         arch = _describe_vision_language(hf_config, tp_size)
+    elif model_type == "qwen3_moe":
+        arch = _describe_qwen3_moe(hf_config, tp_size)
     else:
         arch = _describe_rope_family(hf_config, tp_size, model_type)
     _check_tp_divisibility(arch, tp_size)
@@ -136,6 +157,26 @@ def _describe_vision_language(c: Any, tp_size: int) -> HFArch:
         raise NotImplementedError("config.json tie_word_embeddings differs between the top level and text_config; "
                                   "make them equal")
     return dataclasses.replace(arch, mrope_section=section, vision=True)
+
+
+def _describe_qwen3_moe(c: Any, tp_size: int) -> HFArch:
+    """Qwen3-MoE: Qwen3's attention; every layer's MLP routed experts (Megatron's MoELayer)."""
+    sparse_step = getattr(c, "decoder_sparse_step", 1)
+    if sparse_step != 1:
+        raise NotImplementedError(f"config.json decoder_sparse_step={sparse_step} (qwen3_moe): only 1 (every layer "
+                                  "a mixture of experts) maps; Megatron's moe_layer_freq is not wired")
+    if getattr(c, "mlp_only_layers", None):
+        raise NotImplementedError(f"config.json mlp_only_layers={list(c.mlp_only_layers)} (qwen3_moe): dense layers "
+                                  "among the experts' layers are not mapped; use []")
+    if getattr(c, "shared_expert_intermediate_size", 0):
+        raise NotImplementedError("config.json shared_expert_intermediate_size (qwen3_moe): a shared expert is not "
+                                  "mapped")
+    moe = MoEArch(num_experts=c.num_experts, topk=c.num_experts_per_tok, ffn_hidden_size=c.moe_intermediate_size,
+                  norm_topk_prob=bool(c.norm_topk_prob), aux_loss_coeff=float(c.router_aux_loss_coef))
+    if not 0 < moe.topk <= moe.num_experts:
+        raise ValueError(f"config.json num_experts_per_tok={moe.topk} must be in 1..num_experts={moe.num_experts}")
+    dense = _describe_rope_family(c, tp_size, "qwen3")
+    return dataclasses.replace(dense, family="qwen3_moe", moe=moe)
 
 
 def _describe_rope_family(c: Any, tp_size: int, family: Family, mrope: bool = False) -> HFArch:
@@ -232,8 +273,29 @@ def _rope_parameters(c: Any, mrope: bool = False) -> tuple[float, float | None, 
 
 
 def _check_tp_divisibility(arch: HFArch, tp_size: int) -> None:
-    for field in ("num_heads", "num_kv_heads", "ffn_hidden_size"):
-        value = getattr(arch, field)
+    fields = [(f, getattr(arch, f)) for f in ("num_heads", "num_kv_heads", "ffn_hidden_size")]
+    if arch.moe is not None:  # the experts split over tp like a dense MLP (Megatron's expert tp = tp)
+        fields.append(("moe_intermediate_size", arch.moe.ffn_hidden_size))
+    for field, value in fields:
         if value % tp_size:
             raise ValueError(f"{field}={value} is not divisible by tp_size={tp_size}; pick a tp_size "
                              f"that divides it")
+
+
+def refuse_unsupported_moe(arch: HFArch, lora: bool, recompute: str, pp_size: int) -> None:
+    """Raise for a mixture-of-experts policy with a trainer feature its experts are not wired into (the field, the
+    value, the fix); nothing for a dense model."""
+    if arch.moe is None:
+        return
+    refused = [
+        (pp_size > 1, f"placement.trainer.pp={pp_size}", "pipeline stages take variable-length micro-batches, which "
+         "Megatron's all-gather dispatcher refuses (the all-to-all one allocates CUDA streams); set "
+         "placement.trainer.pp=1"),
+        (lora, "train.lora.rank > 0", "LoRA's adapters are not mapped onto the experts; set train.lora.rank=0"),
+        (recompute != "none", f"train.recompute={recompute!r}", "recomputation through MoE layers is not checked "
+         "against the plain path; set train.recompute=none"),
+    ]
+    for refuse, field, why in refused:
+        if refuse:
+            raise ValueError(f"{field} with a mixture-of-experts policy ({arch.family}, {arch.moe.num_experts} "
+                             f"experts): {why} (docs/moe.md)")

@@ -64,11 +64,14 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
+from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
+from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from megatron.core.utils import GlobalMemoryBuffer  # noqa: E402
 
 __all__ = [
-    "DotProductAttention", "GPTModel", "GlobalMemoryBuffer", "ModuleSpec", "RotaryEmbedding", "TransformerConfig",
+    "DotProductAttention", "GPTModel", "GlobalMemoryBuffer", "ModuleSpec", "MoELayer", "RotaryEmbedding", "TopKRouter",
+    "TransformerConfig",
     "get_gpt_layer_local_spec", "parallel_state", "tensor_parallel",
 ]

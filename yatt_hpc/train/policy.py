@@ -52,11 +52,12 @@ from yatt_hpc.device.offload import HostParking
 from yatt_hpc.lora.layers import Lora
 from yatt_hpc.metrics.activity import ACTIVITY
 from yatt_hpc.models.hf_config import load_hf_config
+from yatt_hpc.moe.routing_replay import RoutingReplay
 from yatt_hpc.optim.adamw import AdamW
 from yatt_hpc.optim.buckets import GRAD_BUCKET_MB, allreduce_bucketed
 from yatt_hpc.optim.sharded import ShardedAdamW
 from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
-from yatt_hpc.train.hf_arch import describe_hf_config
+from yatt_hpc.train.hf_arch import describe_hf_config, refuse_unsupported_moe
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
 from yatt_hpc.train.pipeline import PipelineStages, sync_tied_embeddings
@@ -83,6 +84,8 @@ class UpdateStats:
     logp_diff_max: float = 0.0  # max |trainer logp - rollout logp| before the update: weight-sync health
     optimizer_steps: int = 0
     micro_batch_tokens_max: int = 0  # the largest micro-batch forward, in tokens (train/step_plan.py)
+    expert_load: np.ndarray | None = None  # a MoE policy: [layers, experts] tokens routed in the update, this replica
+    routing_agreement: np.ndarray | None = None  # train.moe_routing_replay: [routed alike, replayed] (token, layer)s
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,10 @@ class MegatronPolicy(StageUpdate):
         self.reference = reference
         self.images = images  # a vision-language policy's image processor, else None
         self.vocab_size = hf_config.get_text_config().vocab_size
+        self.moe = describe_hf_config(hf_config, 1).moe is not None  # its aux loss's scale, per mini-batch
+        self.expert_load = megatron_model.ExpertLoad(model) if self.moe else None  # tokens per expert, for metrics
+        # train.moe_routing_replay: the policy's forwards send response tokens to the engine's experts
+        self.replay = RoutingReplay(model) if cfg.moe_routing_replay else None
         self.named_params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # not a frozen tower
         self.mixed = any(p.dtype != torch.float32 for p in self.named_params.values())
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -144,6 +151,8 @@ class MegatronPolicy(StageUpdate):
                 dtype: torch.dtype = torch.float32, temperature: float = 1.0) -> MegatronPolicy:
         model_dir = Path(model_dir)
         hf_config = load_hf_config(model_dir)
+        refuse_unsupported_moe(describe_hf_config(hf_config, tp_size), cfg.lora.enabled, cfg.recompute,
+                               parallel_state.get_pipeline_model_parallel_world_size())
         hf_state = load_hf_state_dict(model_dir)
         shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank, tp_size, pipeline_stage())
         vision = hasattr(hf_config, "vision_config")
@@ -197,6 +206,8 @@ class MegatronPolicy(StageUpdate):
                 terms = LossTerms(counts, plan.kl_coef, plan.norm_len)
                 self._zero_grads()
                 micros = list(micro_batches(batch, index, self.cfg))
+                if self.moe:  # the load-balancing loss: its mean over the mini-batch's micro-batches
+                    megatron_model.set_aux_loss_scale(len(micros), self.dp_group)
                 for micro in micros:
                     totals.micro_batch_tokens_max = max(totals.micro_batch_tokens_max, forward_tokens(
                         batch.prompt_len[micro], batch.response_len[micro], batch.prompt_id[micro], self.share_prompts))
@@ -220,6 +231,10 @@ class MegatronPolicy(StageUpdate):
                 setattr(totals, key, float(value))
         for key in ("kl", "entropy", "clip_frac", "tokens"):  # sums over the samples, once each
             setattr(totals, key, getattr(totals, key) / plan.epochs)
+        if self.expert_load is not None:  # collective over tp: every rank of the replica takes it
+            totals.expert_load = self.expert_load.take().numpy()
+        if self.replay is not None:  # collective over tp, as above
+            totals.routing_agreement = self.replay.take_agreement()
         totals.loss /= max(steps, 1)  # the mean over optimizer steps of each mini-batch's loss
         totals.grad_norm /= max(steps, 1)
         totals.optimizer_steps = steps
@@ -255,13 +270,15 @@ class MegatronPolicy(StageUpdate):
                                                     mb.prompt_id)
                 vision = None if self.images is None else \
                     update_images.shared_inputs(self.images, mb, layout, pixels, self.device)
-                logp, _ = self._shared_logprobs(model, layout.to(self.device), vision)
+                with self._replayed(model, mb, layout):
+                    logp, _ = self._shared_logprobs(model, layout.to(self.device), vision)
                 rows = [row[:n] for row, n in zip(logp.float().cpu().numpy(), mb.response_len)]
             else:
                 tokens, _, _ = pack_micro_batch(mb)
                 tokens = tokens.to(self.device)
                 inputs, targets = tokens[:, :-1], tokens[:, 1:]
-                logits = megatron_model.forward_logits(model, inputs, images=self.vision_inputs(mb, inputs, pixels))
+                with self._replayed(model, mb, inputs.shape[1]):
+                    logits = megatron_model.forward_logits(model, inputs, images=self.vision_inputs(mb, inputs, pixels))
                 logp, _ = token_logprobs_and_entropy(logits, targets, self.tp_group, self.vocab_size, self.temperature)
                 padded = logp.float().cpu().numpy()
                 rows = [padded[i, p - 1:p - 1 + n] for i, (p, n) in enumerate(zip(mb.prompt_len, mb.response_len))]
@@ -269,6 +286,15 @@ class MegatronPolicy(StageUpdate):
                 out[i] = row
             ACTIVITY.progress()
         return out
+
+    def _replayed(self, model, mb: SampleBatch, layout: shared_prompt.SharedLayout | int):
+        """The policy's forward of `mb` with the engine's experts (train.moe_routing_replay): `layout` is the
+        shared-prompt stream's, or the padded inputs' width. The reference keeps its own routing."""
+        if self.replay is None or model is not self.model:
+            return contextlib.nullcontext()
+        if isinstance(layout, int):
+            return self.replay.padded(mb, layout)
+        return self.replay.shared(mb, layout)
 
     def _as_reference(self):
         """The reference's forwards: with LoRA the reference is the policy's own model with its adapters off."""
@@ -302,7 +328,11 @@ class MegatronPolicy(StageUpdate):
         tokens, mask, old_logp, adv_tok = (t.to(self.device) for t in (tokens, mask, old_logp, adv_tok))
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         images = self.vision_inputs(mb, inputs, pixels)
-        logits = megatron_model.forward_logits(self.model, inputs, images=images)
+        with self._replayed(self.model, mb, inputs.shape[1]):
+            logits = megatron_model.forward_logits(self.model, inputs, images=images)
+        if self.expert_load is not None:  # the real tokens' experts: positions before each row's last token
+            lengths = torch.as_tensor(mb.prompt_len + mb.response_len - 1, device=inputs.device)
+            self.expert_load.count(torch.arange(inputs.shape[1], device=inputs.device)[None] < lengths[:, None])
         logp, entropy = token_logprobs_and_entropy(logits, targets, self.tp_group, self.vocab_size,
                                                    self.temperature)
         ref_logp = None
@@ -322,7 +352,10 @@ class MegatronPolicy(StageUpdate):
         vision = None if self.images is None else \
             update_images.shared_inputs(self.images, mb, layout, pixels, self.device)
         layout, old_logp, adv_tok = layout.to(self.device), old_logp.to(self.device), adv_tok.to(self.device)
-        logp, entropy = self._shared_logprobs(self.model, layout, vision)
+        with self._replayed(self.model, mb, layout):
+            logp, entropy = self._shared_logprobs(self.model, layout, vision)
+        if self.expert_load is not None:  # every stream token is real: a shared prompt's tokens count once
+            self.expert_load.count(torch.ones(1, layout.tokens.shape[0], dtype=torch.bool, device=layout.tokens.device))
         ref_logp = None
         if self.reference is not None and terms.kl_coef:
             with torch.no_grad(), self._as_reference():

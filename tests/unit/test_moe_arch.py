@@ -1,0 +1,112 @@
+"""Qwen3-MoE as the converter reads it: the config's routing facts, what is refused, the experts between disk
+names and transformers' fused parameters, which experts an expert-parallel rank holds, and the HF engine taking
+experts one by one. The logits and gradients against transformers are tests/mpi/test_moe.py."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tests.mpi.moe_worker import tiny_moe, tiny_moe_config
+from yatt_hpc.models.hf_experts import unfuse_hf_experts
+from yatt_hpc.train import convert
+from yatt_hpc.train.hf_arch import MoEArch, describe_hf_config, refuse_unsupported_moe
+
+
+def test_qwen3_moe_routing_is_read_from_the_config():
+    arch = describe_hf_config(tiny_moe_config(norm_topk_prob=False, aux=0.02), tp_size=2)
+    assert arch.family == "qwen3_moe" and arch.qk_norm and arch.gated_mlp
+    assert arch.moe == MoEArch(num_experts=4, topk=2, ffn_hidden_size=32, norm_topk_prob=False, aux_loss_coeff=0.02)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    pytest.param("decoder_sparse_step", 2, "decoder_sparse_step=2 (qwen3_moe): only 1", id="sparse-step"),
+    pytest.param("mlp_only_layers", [0], "mlp_only_layers=[0] (qwen3_moe)", id="dense-layers"),
+    pytest.param("moe_intermediate_size", 33, "moe_intermediate_size=33 is not divisible by tp_size=2", id="tp"),
+])
+def test_what_megatron_would_compute_differently_is_refused_naming_the_field(field, value, message):
+    config = tiny_moe_config()
+    setattr(config, field, value)
+    with pytest.raises((NotImplementedError, ValueError), match=re.escape(message)):
+        describe_hf_config(config, tp_size=2)
+
+
+@pytest.mark.parametrize("lora, recompute, pp, field", [
+    pytest.param(True, "none", 1, "train.lora.rank > 0", id="lora"),
+    pytest.param(False, "full", 1, "train.recompute='full'", id="recompute"),
+    pytest.param(False, "none", 2, "placement.trainer.pp=2", id="pipeline"),
+])
+def test_trainer_features_the_experts_are_not_wired_into_are_refused(lora, recompute, pp, field):
+    arch = describe_hf_config(tiny_moe_config(), tp_size=1)
+    with pytest.raises(ValueError, match=re.escape(field)):
+        refuse_unsupported_moe(arch, lora, recompute, pp)
+    refuse_unsupported_moe(describe_hf_config(tiny_moe_config(), 1), False, "none", 1)  # the plain case runs
+
+
+def test_a_value_model_of_routed_experts_is_refused_naming_the_estimator():
+    from yatt_hpc.critic.model import build_value_model
+
+    with pytest.raises(ValueError, match=r"train\.adv_estimator=gae with a mixture-of-experts model \(qwen3_moe\)"):
+        build_value_model(tiny_moe_config(), tp_size=1)
+
+
+def test_experts_unfused_are_what_save_pretrained_writes(tmp_path):
+    from safetensors.torch import load_file
+
+    model = tiny_moe()
+    model.save_pretrained(tmp_path)
+    disk = load_file(str(tmp_path / "model.safetensors"))
+    ours = unfuse_hf_experts(model.state_dict())
+    assert sorted(ours) == sorted(disk) and all(torch.equal(ours[k], disk[k]) for k in disk)
+
+
+def test_an_expert_parallel_rank_holds_a_contiguous_share_under_local_numbers():
+    arch = describe_hf_config(tiny_moe_config(), tp_size=1)
+    rules = [r for unit in convert.weight_rules(arch, experts=convert.Experts(1, 2)) for r in unit]
+    layer0 = {r.megatron: r.hf for r in rules if r.megatron.startswith("decoder.layers.0.mlp.experts.")}
+    assert layer0["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"] == (
+        "model.layers.0.mlp.experts.2.gate_proj.weight", "model.layers.0.mlp.experts.2.up_proj.weight")
+    assert len(layer0) == 4  # experts 2 and 3: fc1 and fc2 each
+    assert any(r.megatron == "decoder.layers.0.mlp.router.weight" for r in rules)  # every rank routes
+    with pytest.raises(ValueError, match="4 experts do not split over placement.trainer.ep=3"):
+        convert.weight_rules(arch, experts=convert.Experts(0, 3))
+
+
+def test_the_hf_engine_writes_experts_sent_one_by_one_into_its_fused_parameters():
+    from yatt_hpc.rollout.hf_engine import HFEngine
+
+    target, source = tiny_moe(seed=0), tiny_moe(seed=1)
+    engine = HFEngine(target, device="cpu")
+    sent = list(unfuse_hf_experts(source.state_dict()).items())
+    half = len(sent) // 2  # two buckets: a layer's experts may straddle them
+    engine.update_weights(sent[:half], final=False)
+    engine.update_weights(sent[half:], final=True)
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in source.state_dict().items())
+    with pytest.raises(ValueError, match="shape mismatch for 'model.layers.0.mlp.experts.1.up_proj.weight'"):
+        engine.update_weights([("model.layers.0.mlp.experts.1.up_proj.weight", torch.zeros(3, 3))], final=True)
+
+
+def _report(values: dict, group: str = "trainer") -> dict:
+    return {"group": group, "values": values, "times": {}, "peak_rss_mb": 0.0, "peak_held": 0}
+
+
+def _scalars(replicas: list[dict]) -> dict:
+    from yatt_hpc.runtime.summary import step_scalars
+
+    reports = [_report(v) for v in replicas] + [_report({}, "rollout"), _report({}, "genrm")]
+    return step_scalars(reports, 1.0, leader_report=reports[0])
+
+
+def test_expert_load_metric_is_the_busiest_experts_tokens_over_the_mean_per_layer_over_every_replica():
+    # two replicas, one layer of 4 experts (layer 1 perfectly balanced): layer 0 gets 6, 2, 2, 2 tokens in all
+    replicas = [{"moe_tokens/0/0": 4.0, "moe_tokens/0/1": 1.0, "moe_tokens/0/2": 1.0, "moe_tokens/0/3": 2.0},
+                {"moe_tokens/0/0": 2.0, "moe_tokens/0/1": 1.0, "moe_tokens/0/2": 1.0, "moe_tokens/0/3": 0.0}]
+    for values in replicas:
+        values.update({f"moe_tokens/1/{e}": 3.0 for e in range(4)})
+    got = _scalars(replicas)
+    assert got["moe/load_max_over_mean/layer0"] == pytest.approx(6.0 / 3.0)
+    assert got["moe/load_max_over_mean/layer1"] == 1.0
+    assert got["moe/load_max_over_mean"] == pytest.approx(2.0)
+    dense = _scalars([{"samples": 4.0}])
+    assert not any(key.startswith("moe/") for key in dense)
