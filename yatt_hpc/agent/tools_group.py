@@ -34,7 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 from yatt_hpc.agent.tools import ToolCall, ToolOutcome, build_toolbox
-from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
+from yatt_hpc.ckpt import RngOnlyState
 from yatt_hpc.comm.doorbell import DOORBELL
 from yatt_hpc.comm.transport import (
     TAG_TOOL_CALLS,
@@ -142,7 +142,7 @@ class RemoteToolBox:
         """Nothing to free: the tool ranks' pools end with them."""
 
 
-class ToolsController:
+class ToolsController(RngOnlyState):
     """A rank of the tools group: the step loop's controller interface (`roles/base.BaseController`'s), serving
     tool calls in each wave. No engine, no weights, no data: its checkpoint is its RNG."""
 
@@ -205,19 +205,6 @@ class ToolsController:
 
     def set_routes(self, routes) -> None:
         """Routes do not concern the tools group (a dynamic split is refused with one)."""
-
-    def light_state(self, step: int) -> dict:
-        return {"rng": capture_rng()}
-
-    def checkpoint_state(self, step: int, light: dict | None = None) -> RankState:
-        return RankState(self.identity, **(light if light is not None else self.light_state(step)))
-
-    def watch_mutations(self, guard) -> None:
-        """Nothing beyond `light_state` is checkpointed."""
-
-    def restore(self, restored) -> None:
-        if restored.found:
-            restore_rng(restored.rng)
 
     def load_weights(self, loaded) -> None:
         """No weights on a tool rank."""

@@ -23,10 +23,10 @@ _EXPORTS = {
     "CheckpointError": "errors", "DiskFullError": "errors", "should_save": "layout", "Restored": "loader",
     "find_latest": "loader", "CheckpointManager": "manager", "LocalComm": "manager", "load_optimizer_tensors": "optim",
     "optimizer_tensors": "optim", "RngState": "rng", "capture_rng": "rng", "restore_rng": "rng",
-    "SharedState": "state", "RankState": "writer",
+    "SharedState": "state", "RankState": "writer", "RngOnlyState": "writer",
 }
 __all__ = ["CheckpointError", "CheckpointManager", "DiskFullError", "LocalComm", "RankState", "Restored",
-           "RngState", "SharedState", "capture_rng", "find_latest", "load_optimizer_tensors", "optimizer_tensors",
+           "RngOnlyState", "RngState", "SharedState", "capture_rng", "find_latest", "load_optimizer_tensors", "optimizer_tensors",
            "restore_rng", "should_save"]
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from yatt_hpc.ckpt.rng import RngState
+from yatt_hpc.ckpt.rng import RngState, capture_rng, restore_rng
 
 if TYPE_CHECKING:  # torch is imported where tensors are copied: a rank without tensors never needs it
     import torch
@@ -61,6 +61,28 @@ class RankState:
     rng: RngState | None = None
     data_position: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class RngOnlyState:
+    """The checkpoint part of a rank whose only state is its RNG (a GenRM or rollout rank, a tool rank); a
+    controller with more overrides these. It provides `identity`."""
+
+    identity: str
+
+    def light_state(self, step: int) -> dict:
+        """RankState fields that change before the optimizer step; cheap (called at every step start)."""
+        return {"rng": capture_rng()}
+
+    def checkpoint_state(self, step: int, light: dict | None = None) -> RankState:
+        """This rank's part of checkpoint `step`; `light` from the step start, else taken now."""
+        return RankState(self.identity, **(light if light is not None else self.light_state(step)))
+
+    def watch_mutations(self, guard) -> None:
+        """Call `guard.enter_mutation()` before checkpointed state beyond `light_state` changes."""
+
+    def restore(self, restored) -> None:
+        if restored.found:  # a rank the checkpoint's layout did not have keeps the RNG a fresh start seeds
+            restore_rng(restored.rng)
 
 
 class Staging:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
+from yatt_hpc.ckpt import RngOnlyState
 from yatt_hpc.errors import InputError
 
 
@@ -118,7 +118,7 @@ def eval_due(cfg, after_step: int) -> bool:
     return ec.every > 0 and (after_step % ec.every == 0 or after_step == cfg.train.steps)
 
 
-class BaseController:
+class BaseController(RngOnlyState):
     shard: dict[str, int] = {}
     routes = None  # this step's Routes; every controller sets its own in __init__
 
@@ -136,21 +136,6 @@ class BaseController:
     def evaluate(self, step: int) -> dict | None:
         """This rank's part of a validation round after `step` steps; the leader returns its metrics."""
         raise NotImplementedError
-
-    def light_state(self, step: int) -> dict:
-        """RankState fields that change before the optimizer step; cheap (called at every step start)."""
-        return {"rng": capture_rng()}
-
-    def checkpoint_state(self, step: int, light: dict | None = None) -> RankState:
-        """This rank's part of checkpoint `step`; `light` from the step start, else taken now."""
-        return RankState(self.identity, **(light if light is not None else self.light_state(step)))
-
-    def watch_mutations(self, guard) -> None:
-        """Call `guard.enter_mutation()` before checkpointed state beyond `light_state` changes."""
-
-    def restore(self, restored) -> None:
-        if restored.found:  # a rank the checkpoint's layout did not have keeps the RNG a fresh start seeds
-            restore_rng(restored.rng)
 
     def load_weights(self, loaded) -> None:
         """`checkpoint.load_from` weights; only the trainer has any."""
