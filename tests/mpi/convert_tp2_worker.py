@@ -63,7 +63,11 @@ def tiny_hf_model(case: str, seed: int = 0) -> torch.nn.Module:
     """
     cls, make_config = TINY_CASES[case]
     torch.manual_seed(seed)
-    model = cls(make_config()).eval()
+    return perturbed(cls(make_config()).eval())
+
+
+def perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every weight drawn from torch's RNG as it stands: norms 1 + 0.1 N(0, 1), the rest 0.1 N(0, 1)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             is_norm = param.dim() == 1 and ("norm" in name or ".ln_" in name)
@@ -71,7 +75,7 @@ def tiny_hf_model(case: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -230,7 +234,7 @@ def main(out_dir: Path, cases: list[str]) -> None:
 
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
-    port = comm.bcast(_free_port() if rank == 0 else None, root=0)
+    port = comm.bcast(free_port() if rank == 0 else None, root=0)
     mm.initialize_model_parallel(rank, world, "127.0.0.1", port, tp_size=world, seed=0)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     report = {"rank": rank, "cases": {case: check_case(case, tp_group) for case in cases if case != "vlm"}}

@@ -12,13 +12,13 @@ Also home of the tiny MoE factory the unit tests share.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from tests.mpi.convert_tp2_worker import free_port, perturbed
 from yatt_hpc.models.hf_experts import unfuse_hf_experts
 from yatt_hpc.train import convert
 
@@ -38,18 +38,7 @@ def tiny_moe(seed: int = 0, **config) -> Qwen3MoeForCausalLM:
     """A seeded tiny Qwen3-MoE whose every weight is non-trivial (HF starts the router at zero: every expert
     tied, which would hide a routing mix-up)."""
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(tiny_moe_config(**config)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            is_norm = param.dim() == 1 and "norm" in name
-            param.copy_((1.0 if is_norm else 0.0) + 0.1 * torch.randn_like(param))
-    return model
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return perturbed(Qwen3MoeForCausalLM(tiny_moe_config(**config)).eval())
 
 
 def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
@@ -146,7 +135,7 @@ def main(out_dir: Path, cases: list[str]) -> None:
     for case in cases:
         name, norm = case.split("-norm")
         tp, ep = LAYOUTS[name]
-        port = comm.bcast(_free_port() if rank == 0 else None, root=0)
+        port = comm.bcast(free_port() if rank == 0 else None, root=0)
         mm.initialize_model_parallel(rank, world, "127.0.0.1", port, tp_size=tp, seed=0, ep_size=ep)
         report[case] = check_layout(tp, ep, norm == "1")
         mm.destroy_model_parallel()
@@ -166,7 +155,7 @@ def export_logits_gap(step_dir: Path, hf_dir: Path) -> float:
     hf, info = Qwen3MoeForCausalLM.from_pretrained(str(hf_dir), output_loading_info=True)
     if any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")):
         raise AssertionError(f"the export does not load cleanly: {info}")
-    mm.initialize_model_parallel(0, 1, "127.0.0.1", _free_port(), tp_size=1)
+    mm.initialize_model_parallel(0, 1, "127.0.0.1", free_port(), tp_size=1)
     model = mm.build_gpt_model(config, 1).eval()
     shards = [load_file(str(p)) for p in sorted(step_dir.glob("model-tp*-pp0.safetensors"))]
     whole = shards[0] if len(shards) == 1 else convert.hf_to_megatron(

@@ -89,11 +89,18 @@ class Stage:
 
     def layers(self, num_layers: int) -> range:
         """The global layer numbers this stage holds (Megatron's uniform split)."""
-        if num_layers % self.count:
-            raise ValueError(f"{num_layers} layers do not split into {self.count} pipeline stages; "
-                             f"use a pp that divides {num_layers}")
-        per = num_layers // self.count
-        return range(self.index * per, (self.index + 1) * per)
+        return _contiguous_share(self.index, self.count, num_layers,
+                                 f"{num_layers} layers do not split into {self.count} pipeline stages; "
+                                 f"use a pp that divides {num_layers}")
+
+
+def _contiguous_share(index: int, count: int, total: int, refusal: str) -> range:
+    """Part `index` of `total` items split evenly into `count` contiguous parts; ValueError(`refusal`) when
+    `count` does not divide `total`."""
+    if total % count:
+        raise ValueError(refusal)
+    per = total // count
+    return range(index * per, (index + 1) * per)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +112,9 @@ class Experts:
 
     def owned(self, num_experts: int) -> range:
         """The global expert numbers this rank holds (Megatron's contiguous split)."""
-        if num_experts % self.count:
-            raise ValueError(f"{num_experts} experts do not split over placement.trainer.ep={self.count}; use an "
-                             f"ep that divides {num_experts}")
-        per = num_experts // self.count
-        return range(self.index * per, (self.index + 1) * per)
+        return _contiguous_share(self.index, self.count, num_experts,
+                                 f"{num_experts} experts do not split over placement.trainer.ep={self.count}; use an "
+                                 f"ep that divides {num_experts}")
 
 
 def weight_rules(arch: HFArch, stage: Stage = Stage(), experts: Experts = Experts()) -> list[list[Rule]]:
