@@ -69,10 +69,10 @@ def slurm_cluster() -> str:
 
 
 def checkpoint_weights(run_dir: Path, step: int) -> dict:
-    """The parameters (TP rank 0) a run's checkpoint step-`step` holds."""
-    from safetensors.torch import load_file
+    """The parameters (TP rank 0, every expert-parallel rank's experts) a run's checkpoint step-`step` holds."""
+    from yatt_hpc.ckpt.loader import read_weights
 
-    return load_file(str(run_dir / "checkpoints" / f"step-{step}" / "model-tp0-pp0.safetensors"))
+    return read_weights(run_dir / "checkpoints" / f"step-{step}")
 
 
 def final_state(run_dir: Path, steps: int, *, longer_run: bool = False):

@@ -20,6 +20,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tests.mpi.convert_tp2_worker import free_port, perturbed
 from yatt_hpc.models.hf_experts import unfuse_hf_experts
+from yatt_hpc.moe.layers import ExpertLoad
 from yatt_hpc.train import convert
 
 LAYOUTS = {"ep1": (1, 1), "tp2": (2, 1), "ep2": (1, 2)}  # name -> (tp, ep) on 2 ranks
@@ -69,7 +70,7 @@ def check_layout(tp: int, ep: int, norm_topk_prob: bool) -> dict:
     model = mm.build_gpt_model(config, tp).train()
     mm.load_megatron_shard(model, convert.hf_to_megatron(disk, config, ps.get_tensor_model_parallel_rank(), tp,
                                                          experts=experts))
-    load = mm.ExpertLoad(model)
+    load = ExpertLoad(model)
     local = mm.forward_logits(model, _batch(dp_rank))
     valid = torch.arange(11)[None] < torch.tensor([[11], [7]])  # the second row's last 4 positions as padding
     load.count(valid)
@@ -122,6 +123,58 @@ def check_layout(tp: int, ep: int, norm_topk_prob: bool) -> dict:
 
 
 CASES = [f"{name}-norm{norm}" for name in LAYOUTS for norm in (1, 0)]  # norm: HF's norm_topk_prob
+RAGGED = ["ragged-ep1", "ragged-ep2"]  # run in this order: ep2's gradients are measured against ep1's
+_RAGGED_EP1: dict[str, torch.Tensor] = {}
+
+
+def _ragged_micro_batches(dp_rank: int) -> list[torch.Tensor]:
+    """As the trainer's replicas cut them: rank 0 two micro-batches of different shapes, rank 1 one."""
+    g = torch.Generator().manual_seed(100 + dp_rank)
+    shapes = [(2, 11), (3, 4)] if dp_rank == 0 else [(1, 5)]
+    return [torch.randint(0, VOCAB, shape, generator=g) for shape in shapes]
+
+
+def check_ragged(ep: int) -> dict:
+    """The trainer's update path with a load-balancing loss, replicas whose micro-batches differ in count and
+    shape: each MoE layer pads to its expert group's largest token count (pads out of the aux loss), the rank
+    with fewer micro-batches runs idle passes (`moe/lockstep.py`), gradients reduce by the trainer's rule. ep2's
+    gradients, gathered to HF names, against ep1's (the same model and micro-batches, every rank every expert)."""
+    from megatron.core import parallel_state as ps
+
+    from yatt_hpc.moe.layers import set_aux_loss_scale
+    from yatt_hpc.moe.lockstep import ExpertLockstep
+    from yatt_hpc.train import megatron_model as mm
+
+    dp_rank, dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+    experts = convert.Experts(ps.get_expert_model_parallel_rank(), ep)
+    hf = tiny_moe(aux=0.05)
+    config, disk = hf.config, unfuse_hf_experts(hf.state_dict())
+    model = mm.build_gpt_model(config, 1).train()
+    mm.load_megatron_shard(model, convert.hf_to_megatron(disk, config, 0, 1, experts=experts))
+    micros = _ragged_micro_batches(dp_rank)
+    set_aux_loss_scale(len(micros), dp_group)
+    lockstep = ExpertLockstep.of(model)
+    idle = lockstep.missing(len(micros)) if lockstep is not None else 0  # agreed before any forward
+    for tokens in micros:
+        logits = mm.forward_logits(model, tokens)
+        (logits[..., :VOCAB] * torch.linspace(-1, 1, VOCAB)).sum().backward()
+    for _ in range(idle):
+        lockstep.idle_step(model, None)
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        group = ps.get_expert_data_parallel_group() if convert.is_expert(name) else dp_group
+        torch.distributed.all_reduce(grad, group=group)
+        grads[name] = grad
+    merged = dict(convert.iter_megatron_to_hf([grads], config, emit_tied_lm_head=False, experts=experts))
+    if ep == 1:
+        _RAGGED_EP1.update(merged)
+        return {"idle_passes": idle}
+    scale = max(g.abs().max().item() for g in _RAGGED_EP1.values())
+    return {"idle_passes": idle, "experts_compared": sum(".mlp.experts." in n for n in merged),
+            "grads_max_rel_diff_vs_ep1": max((merged[n] - _RAGGED_EP1[n]).abs().max().item() for n in merged) / scale,
+            "router_grad_max_abs_diff_vs_ep1": max((merged[n] - _RAGGED_EP1[n]).abs().max().item()
+                                                   for n in merged if n.endswith("mlp.gate.weight"))}
 
 
 def main(out_dir: Path, cases: list[str]) -> None:
@@ -133,9 +186,15 @@ def main(out_dir: Path, cases: list[str]) -> None:
     rank, world = comm.Get_rank(), comm.Get_size()
     report: dict = {"rank": rank}
     for case in cases:
+        port = comm.bcast(free_port() if rank == 0 else None, root=0)
+        if case in RAGGED:
+            ep = int(case[-1])
+            mm.initialize_model_parallel(rank, world, "127.0.0.1", port, tp_size=1, seed=0, ep_size=ep)
+            report[case] = check_ragged(ep)
+            mm.destroy_model_parallel()
+            continue
         name, norm = case.split("-norm")
         tp, ep = LAYOUTS[name]
-        port = comm.bcast(free_port() if rank == 0 else None, root=0)
         mm.initialize_model_parallel(rank, world, "127.0.0.1", port, tp_size=tp, seed=0, ep_size=ep)
         report[case] = check_layout(tp, ep, norm == "1")
         mm.destroy_model_parallel()

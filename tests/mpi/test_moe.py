@@ -16,10 +16,11 @@ import pytest
 
 from tests.conftest import FULL_MATRIX, PYTHON, REPO, full_matrix_only, mpi_env
 from tests.mpi.moe_worker import CASES as ALL_CASES
+from tests.mpi.moe_worker import RAGGED
 
 WORKER = str(REPO / "tests/mpi/moe_worker.py")
 CI_CASES = ("ep1-norm0", "tp2-norm1", "ep2-norm1")
-RUN = ALL_CASES if FULL_MATRIX else CI_CASES
+RUN = [*(ALL_CASES if FULL_MATRIX else CI_CASES), *RAGGED]
 CASES = [pytest.param(case, id=case, marks=() if case in CI_CASES else full_matrix_only) for case in ALL_CASES]
 TOLERANCE = 1e-5
 
@@ -73,6 +74,18 @@ def test_ep2_ranks_hold_and_give_back_disjoint_halves_of_the_experts(moe_reports
     every = set(moe_reports[0]["ep1-norm0"]["expert_names"])
     assert names[0] | names[1] == every and len(every) == 2 * 4 * 3  # layers x experts x (gate, up, down)
     assert all(".experts.0." in n or ".experts.1." in n for n in names[0])
+
+
+def test_ep2_replicas_with_micro_batches_of_other_counts_and_shapes_get_ep1s_gradients(moe_reports):
+    """Rank 0 two micro-batches ([2, 11] and [3, 4]), rank 1 one ([1, 5]), with a load-balancing loss: at ep2 each
+    MoE layer pads to the expert group's token count and rank 1 runs one idle pass; the gradients (aux loss
+    included, so the pads stayed out of it) equal ep1's, where no rank pads or waits."""
+    assert [r["ragged-ep1"]["idle_passes"] for r in moe_reports] == [0, 0]
+    assert [r["ragged-ep2"]["idle_passes"] for r in moe_reports] == [0, 1]
+    for report in moe_reports:
+        got = report["ragged-ep2"]
+        assert got["experts_compared"] == 2 * 2 * 3  # layers x this rank's experts x (gate, up, down)
+        assert got["grads_max_rel_diff_vs_ep1"] <= TOLERANCE, got
 
 
 def test_tp2_ranks_each_hold_every_expert_half_wide(moe_reports):

@@ -26,14 +26,15 @@ ALLOWED = {
     # engines join a weight pair's group (device.weight_group); a MoE engine takes experts by checkpoint name (models)
     "rollout": {"metrics.activity", "device", "vision", "models"},
     "train": {"algos", "metrics.activity", "ckpt.optim", "batch", "config", "device", "vision", "models", "optim",
-              "lora.layers", "moe.routing_replay"},  # the policy attaches adapters and replays routing
+              "lora.layers", "moe"},  # the policy attaches adapters; its MoE layers, routing replay, lockstep
     "optim": set(),  # the optimizer: torch only
     # the value model: a GPTModel of train/ with a scalar head, trained with the policy's optimizer machinery
     "critic": {"algos", "batch", "config", "metrics.activity", "models", "train"},
     # LoRA's adapters sit on the Megatron model and move between layouts through the converter's splits
     "lora": {"config", "train.convert", "train.hf_arch", "train.mcore"},
-    # a MoE policy's forward with the engine's experts: the routers of train/'s model, tp from train.mcore
-    "moe": {"batch", "train.mcore", "train.shared_prompt"},
+    # a MoE policy's layers (train/'s model swaps them in), its forward with the engine's experts, and expert
+    # parallelism's lockstep (a one-token forward of train.megatron_model)
+    "moe": {"batch", "train.mcore", "train.shared_prompt", "train.cpu_compat", "train.megatron_model"},
     "algos": set(),  # the formulas: a leaf, and no process group in it (test below)
     "reward": {"rollout", "data", "vision", "models"},  # the judge runs on a rollout engine with the tokenizer data/ loads
     "data": {"config", "demo", "vision"},

@@ -110,3 +110,25 @@ def test_expert_load_metric_is_the_busiest_experts_tokens_over_the_mean_per_laye
     assert got["moe/load_max_over_mean"] == pytest.approx(2.0)
     dense = _scalars([{"samples": 4.0}])
     assert not any(key.startswith("moe/") for key in dense)
+
+
+def test_an_expert_parallel_shard_goes_to_checkpoint_names_and_back():
+    """A rank's experts under model-wide numbers in its checkpoint file; from a shard with every expert each rank
+    takes its own, renumbered from 0 (optimizer entries, `<param>.exp_avg`, alike)."""
+    local = {"decoder.layers.0.mlp.router.weight": torch.zeros(1),
+             "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight": torch.full((1,), 2.0),
+             "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight": torch.full((1,), 3.0)}
+    saved = convert.experts_global(local, convert.Experts(1, 2))
+    assert sorted(saved) == ["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight",
+                             "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight",
+                             "decoder.layers.0.mlp.router.weight"]
+    every = {**saved, "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight": torch.ones(1),
+             "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight.exp_avg": torch.ones(1)}
+    assert convert.experts_local(every, convert.Experts(1, 2)).keys() == local.keys()
+    assert torch.equal(convert.experts_local(every, convert.Experts(1, 2))[
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"], torch.full((1,), 2.0))
+    assert sorted(convert.experts_local(every, convert.Experts(0, 2))) == [
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
+        "decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight.exp_avg", "decoder.layers.0.mlp.router.weight"]
+    assert convert.is_expert("decoder.layers.3.mlp.experts.local_experts.7.linear_fc2.weight")
+    assert not convert.is_expert("decoder.layers.3.mlp.router.weight")

@@ -84,8 +84,8 @@ IMPOSSIBLE = [
     pytest.param(("placement.trainer.cp=2", "placement.trainer.dp=null"), "placement.trainer.cp=2: Megatron-Core's "
         "context parallelism needs Transformer Engine's attention", id="trainer-cp"),
     pytest.param(("placement.trainer.ep=3",), "placement.trainer.ep=3 does not divide dp=2", id="trainer-ep-not-dividing-dp"),
-    pytest.param(("placement.trainer.ep=2",), "placement.trainer.ep=2 fits this layout, but the trainer's step does not "
-        "run expert parallelism yet", id="trainer-ep-refused"),
+    pytest.param(("placement.trainer.ep=2", "rollout.weight_transport=collective"),
+                 "each pipeline stage's owner (and each expert-parallel rank) sends its own", id="trainer-ep-collective"),
     pytest.param(("placement.rollout.pp=2", "placement.rollout.devices_per_task=2"), "placement.rollout.pp=2: "
         "pipeline-parallel engine replicas are not implemented", id="engine-pp"),
     pytest.param(("placement.rollout.nodes=2",), "puts all groups on the same nodes", id="colocate-node-mismatch"),

@@ -35,3 +35,15 @@ def test_1024_gpu_weight_sync_spreads_over_replicas():
     loads = [len(r.weight_targets_of(d)) for d in range(r.dp)]
     # 192 rollout replicas over 128 trainer replicas: each sends to one or two, every rollout rank gets one
     assert (min(loads), max(loads), sum(loads)) == (1, 2, 192)
+
+
+def test_an_engine_takes_its_replicas_weights_then_each_expert_parallel_peers_experts():
+    """ep 2 over dp 4: replicas {0, 1} and {2, 3} are expert groups (Megatron's order: tp, ep, expert dp); an engine
+    fed by replica 3 takes replica 3's owner first (dense layers and its experts), then replica 2's (its experts)."""
+    p = plan(load_config(REPO / "configs/demo_cpu.yaml", ["placement.trainer={nodes: 1, tasks_per_node: 4, dp: 4, ep: 2}",
+                                                          "placement.rollout.tasks_per_node=4"]))
+    r = Routes(p)
+    assert p.group("trainer").ep == 2
+    assert [r.expert_peers(d) for d in range(4)] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r.weight_senders(d) for d in range(4)] == [[0, 1], [1, 0], [2, 3], [3, 2]]
+    assert Routes(plan(load_config(REPO / "configs/demo_cpu.yaml"))).weight_senders(1) == [1]

@@ -102,7 +102,7 @@ def test_a_bf16_engines_log_prob_gap_to_the_fp32_trainer_falls_with_replay(model
 def test_replay_takes_the_recorded_experts_and_the_routers_scores_keep_their_gradient():
     scores = torch.randn(3, 4, requires_grad=True)
     replay = ReplayTopK()
-    replay.target = torch.tensor([[3, 0], [-1, -1], [1, 2]])
+    replay.target = torch.tensor([[3, 0], [-1, -1], [1, 2]])[:, None]  # [S, B, k]
     probs, top = replay.get_replay_topk(scores, 2, default_compute_topk=lambda s, k, **_: torch.topk(s, k, dim=1))
     own = torch.topk(scores, 2, dim=1).indices
     assert top[0].tolist() == [3, 0] and top[2].tolist() == [1, 2] and torch.equal(top[1], own[1])

@@ -155,6 +155,6 @@ def test_buckets_are_bounded_the_last_is_final_and_a_big_tensor_goes_alone():
 def test_a_pipelined_trainer_sends_over_mpi_and_refuses_collective():
     """Every stage's owner sends its own layers (`Routes.stage_owners`): one sender per pair's group cannot."""
     assert set(transports("qwen2_72b_disjoint_h200").values()) == {"mpi"}  # tp8 pp4: auto takes mpi
-    with pytest.raises(PlanError, match=r"rollout.weight_transport=collective with placement.trainer.pp=4: each "
-                                        r"pipeline stage's owner sends its own layers"):
+    with pytest.raises(PlanError, match=r"rollout.weight_transport=collective with placement.trainer.pp=4 ep=1: each "
+                                        r"pipeline stage's owner \(and each expert-parallel rank\) sends its own"):
         transports("qwen2_72b_disjoint_h200", "rollout.weight_transport=collective")

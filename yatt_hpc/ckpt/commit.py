@@ -57,7 +57,7 @@ def rank_files(inc: Path, snap: RankState) -> dict[str, TensorFile]:
     c = snap.coords
     files = {}
     if snap.model is not None:
-        files["model"] = (layout.model_file(c.get("tp", 0), c.get("pp", 0)), snap.model, {})
+        files["model"] = (layout.model_file(c.get("tp", 0), c.get("pp", 0), c.get("ep", 0)), snap.model, {})
     if snap.optim is not None:
         files["optim"] = (layout.optim_file(c.get("tp", 0), c.get("pp", 0), c.get("dp", 0)), snap.optim,
                           snap.optim_meta)

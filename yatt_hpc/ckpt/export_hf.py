@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.errors import CheckpointError
+from yatt_hpc.ckpt.loader import read_weights
 from yatt_hpc.ckpt.manifest import verify_step
 from yatt_hpc.ckpt.state import read_records, read_shared
 
@@ -77,7 +78,7 @@ def export_hf(run_dir: str | Path, step: int, out: str | Path, model_dir: str | 
     from yatt_hpc.train.convert import stages_to_hf
 
     step_dir, src, hf_config, lora = _open_step(run_dir, step, model_dir)
-    shards = [[load_file(str(p)) for p in stage] for stage in _ordered_shards(step_dir)]
+    shards = [[read_weights(step_dir, tp, pp) for tp, _ in stage] for pp, stage in enumerate(_shard_grid(step_dir))]
     if lora is None:
         hf_sd = stages_to_hf(shards, hf_config, emit_tied_lm_head=False)
     else:

@@ -55,8 +55,10 @@ def incomplete_dir(ckpt_dir: Path, step: int) -> Path:
     return ckpt_dir / f"step-{step}{INCOMPLETE_SUFFIX}"
 
 
-def model_file(tp: int, pp: int) -> str:
-    return f"model-tp{tp}-pp{pp}.safetensors"
+def model_file(tp: int, pp: int, ep: int = 0) -> str:
+    """Shard (tp, pp)'s parameters; under expert parallelism, expert-parallel rank `ep` > 0 writes its experts
+    (model-wide numbers) to a file of its own beside it, and readers merge them (`loader.read_weights`)."""
+    return f"model-tp{tp}-pp{pp}.safetensors" if ep == 0 else f"model-tp{tp}-pp{pp}-ep{ep}.safetensors"
 
 
 def optim_file(tp: int, pp: int, dp: int) -> str:

@@ -54,9 +54,9 @@ class Restored:
 
     @property
     def trainer_layout(self) -> dict[str, int]:
-        """The saved trainer's parallel sizes {"dp", "tp", "pp"}."""
+        """The saved trainer's parallel sizes {"dp", "tp", "pp", "ep"}."""
         return {axis: 1 + max((r.coords.get(axis, 0) for r in self.trainers), default=0)
-                for axis in ("dp", "tp", "pp")}
+                for axis in ("dp", "tp", "pp", "ep")}
 
 
 def find_latest(ckpt_dir: Path, quarantine: bool = False) -> tuple[int | None, list[tuple[int, str]]]:
@@ -82,7 +82,8 @@ def find_latest(ckpt_dir: Path, quarantine: bool = False) -> tuple[int | None, l
 
 
 def read_weights(step_dir: Path, tp: int = 0, pp: int = 0, prefix: str = "model") -> StateDict:
-    """The parameters of shard (tp, pp): the policy's (`prefix` "model") or the critic's ("critic")."""
+    """The parameters of shard (tp, pp): the policy's (`prefix` "model") or the critic's ("critic"); an
+    expert-parallel run's other experts (`layout.model_file`'s ep files) merged in."""
     path = step_dir / f"{prefix}-tp{tp}-pp{pp}.safetensors"
     if not path.is_file():
         have = sorted(p.name for p in step_dir.glob(f"{prefix}-*.safetensors"))
@@ -90,7 +91,13 @@ def read_weights(step_dir: Path, tp: int = 0, pp: int = 0, prefix: str = "model"
                               f"it has {have}: was it saved with another parallel layout?")
     from safetensors.torch import load_file
 
-    return load_file(str(path))
+    tensors = load_file(str(path))
+    for part in sorted(step_dir.glob(f"{prefix}-tp{tp}-pp{pp}-ep*.safetensors")):
+        more = load_file(str(part))
+        if set(more) & set(tensors):
+            raise CheckpointError(f"{part} repeats tensors of shard tp={tp} pp={pp}: {sorted(set(more) & set(tensors))[:3]}")
+        tensors.update(more)
+    return tensors
 
 
 def _read_safetensors(path: Path) -> tuple[StateDict, dict[str, str]]:

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from yatt_hpc.batch import SampleBatch
+from yatt_hpc.moe.layers import router_rows
 from yatt_hpc.train.mcore import parallel_state
 
 if TYPE_CHECKING:
@@ -37,14 +37,14 @@ class ReplayTopK:
     experts where a token has them (its row of `target` not -1), the router's own top k elsewhere."""
 
     def __init__(self) -> None:
-        self.target: torch.Tensor | None = None  # [tokens, k] int64, -1 rows: the router's own choice
+        self.target: torch.Tensor | None = None  # [S, B, k] int64, -1: the router's own choice
         self.agreed = self.replayed = 0  # in forwards with gradients: tokens replayed, and those routed alike
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         probs, top = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         if self.target is None:
             return probs, top
-        target = self.target.to(top.device)
+        target = router_rows(self.target, top.shape[0], -1).to(top.device)
         if target.shape != top.shape:
             raise RuntimeError(f"routing replay: {tuple(target.shape)} recorded experts for a router that routes "
                                f"{tuple(top.shape)}")
@@ -126,16 +126,11 @@ class RoutingReplay:
 
     @contextlib.contextmanager
     def _active(self, target: torch.Tensor) -> Iterator[None]:
-        """`target`: [sequence, batch, layers, k], the routers' token order once flattened; under tp each rank
-        routes its slice of the sequence padded to a multiple of tp (`megatron_model.TokenSplitMoELayer`)."""
-        group = parallel_state.get_tensor_model_parallel_group()
-        tp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-        if tp > 1:
-            target = F.pad(target, (0, 0, 0, 0, 0, 0, 0, -target.shape[0] % tp), value=-1).chunk(tp)[rank]
-        target = target.reshape(-1, *target.shape[2:])
+        """`target`: [sequence, batch, layers, k], the MoE layers' input order; each router takes its rank's rows
+        of it as it routes (`moe/layers.router_rows`: under tp or ep the layer pads and splits its tokens)."""
         try:
             for layer, replay in enumerate(self.replays):
-                replay.target = target[:, layer].contiguous()
+                replay.target = target[:, :, layer].contiguous()
             yield
         finally:
             for replay in self.replays:

@@ -51,6 +51,7 @@ class GroupPlan:
     layout: tuple[tuple[str, int], ...]  # ordered fastest-varying first, e.g. (("tp",2),("cp",1),("dp",4),("pp",1))
     rank_start: int  # first world rank (inclusive)
     slurm: SlurmShape
+    ep: int = 1  # the trainer's expert parallelism: a MoE model's experts split over ep consecutive dp ranks
 
     @property
     def tasks(self) -> int:
@@ -182,7 +183,8 @@ def plan(cfg: RunConfig) -> Plan:
     for index, name in enumerate(GROUPS[:3]):
         gp = sections[name]
         groups.append(GroupPlan(name, gp.nodes, gp.tasks_per_node, gp.devices_per_task, gp.cpus_per_task,
-                                gp.mem, layouts[name], start, SlurmShape(kind, index)))
+                                gp.mem, layouts[name], start, SlurmShape(kind, index),
+                                ep=gp.ep if name == "trainer" else 1))
         start += gp.nodes * gp.tasks_per_node
     node_cpus = _node_cpus(pc, groups)  # the groups that take the devices in turn: tool ranks run no torch
     tools = pc.tools
@@ -241,9 +243,6 @@ def _check_expert_parallel(gp: TrainerPlacement, dp: int) -> None:
     if dp % gp.ep:
         raise PlanError(f"{f}={gp.ep} does not divide dp={dp}: Megatron-Core's expert groups need world = tp*ep*pp x "
                         f"(expert data parallel); pick ep from the divisors of {dp}")
-    raise PlanError(f"{f}={gp.ep} fits this layout, but the trainer's step does not run expert parallelism yet (its "
-                    "data-parallel ranks take micro-batches of different counts and shapes, which the experts' token "
-                    f"exchange cannot); set {f}=1: every rank then holds every expert (docs/moe.md)")
 
 
 def _engine_layout(name: str, gp: GroupPlacement) -> tuple[tuple[str, int], ...]:

@@ -31,7 +31,7 @@ def plan_table(p: Plan) -> Table:
     for g in p.groups:
         table.add_row(g.name, f"{g.rank_start}-{g.rank_stop - 1}", str(g.nodes), str(g.tasks_per_node),
                       str(g.devices_per_task) if g.devices_per_task else "cpu", str(g.cpus_per_task),
-                      layout_text(g.layout), node_gpus_text(p, g.name), g.slurm.describe())
+                      layout_text(g.layout) + (f" ep{g.ep}" if g.ep > 1 else ""), node_gpus_text(p, g.name), g.slurm.describe())
     return table
 
 

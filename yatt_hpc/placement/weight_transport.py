@@ -82,7 +82,8 @@ def weight_pairs(plan: Plan, setting: str, engine: str) -> dict[int, WeightPair]
 
 def _transport(plan: Plan, setting: str, engine: str, owner: int, dest: int, shared: tuple[int, ...]) -> str:
     owner_gpu, dest_gpu = bool(plan.device_ids(owner)), bool(plan.device_ids(dest))
-    pipelined = plan.group("trainer").size("pp") > 1
+    trainer = plan.group("trainer")
+    pipelined = trainer.size("pp") > 1 or trainer.ep > 1  # several senders per engine: mpi only
     if setting == "mpi":
         return "mpi"
     if setting == "auto":
@@ -93,9 +94,9 @@ def _transport(plan: Plan, setting: str, engine: str, owner: int, dest: int, sha
         raise PlanError(f"{FIELD}={setting!r} is not one of auto, mpi, collective; pick one of them")
     where = f"{plan.group_of(dest)} rank {dest}"
     if pipelined:
-        raise PlanError(f"{FIELD}=collective with placement.trainer.pp={plan.group('trainer').size('pp')}: each "
-                        "pipeline stage's owner sends its own layers, and a pair's group has one sender; set "
-                        f"{FIELD}=mpi (or auto, which takes mpi with pipeline stages)")
+        raise PlanError(f"{FIELD}=collective with placement.trainer.pp={trainer.size('pp')} ep={trainer.ep}: each "
+                        "pipeline stage's owner (and each expert-parallel rank) sends its own layers (experts), and "
+                        f"a pair's group has one sender; set {FIELD}=mpi (or auto, which takes mpi then)")
     if owner_gpu != dest_gpu:
         raise PlanError(f"{FIELD}=collective: {where} runs on {'GPU' if dest_gpu else 'CPU'} but its trainer owner "
                         f"(world rank {owner}) on {'GPU' if owner_gpu else 'CPU'}, and one pair's group has one "

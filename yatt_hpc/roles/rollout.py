@@ -277,7 +277,8 @@ class RolloutController(PartialSegments, BaseController):
     def receive_weights(self) -> None:
         # In colocation the engine stays released: an update while released restores only the
         # weights, and the next resume_memory() adds the KV cache after them (lower peak).
-        sources = self.routes.stage_owners(self.routes.weight_source_for(self.world.rank))  # one per pipeline stage
+        # one per pipeline stage, and one per expert-parallel peer of the source replica
+        sources = self.routes.weight_senders(self.routes.weight_source_for(self.world.rank))
         wait_for_message(self.world.comm, sources[0], TAG_WEIGHTS)  # idle until training is done
         with self.stats.phase("weight_sync"):
             receive_weights(self.world.comm, sources, self.engine, self.weight_transport)

@@ -107,10 +107,11 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
         addr, port = group_rendezvous(world)
         tp, self.pp = world.plan.group("trainer").size("tp"), world.plan.group("trainer").size("pp")
         device = rank_device(world)
+        self.ep = world.plan.group("trainer").ep
         megatron_model.initialize_model_parallel(world.group_rank, world.group_comm.Get_size(), addr, port,
                                                  tp_size=tp, pp_size=self.pp, seed=cfg.train.seed,
-                                                 cuda_device=torch.device(device).index)
-        megatron_model.check_groups(world.plan.group("trainer"))
+                                                 cuda_device=torch.device(device).index, ep_size=self.ep)
+        megatron_model.check_groups(world.plan.group("trainer"), self.dp_rank)
         torch.manual_seed(cfg.train.seed)
         # LoRA: the adapters' settings and their base's identity, saved with every checkpoint and checked at resume
         self.lora = lora_record(cfg.train.lora, cfg.model.path) if cfg.train.lora.enabled else None
@@ -385,10 +386,16 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
 
     def sync_weights(self) -> None:
         targets = self.routes.weight_targets_of(self.dp_rank)
-        if not targets:
+        # ep > 1: this replica's experts also go to the engines its expert-parallel peers update (after the rest)
+        peers = [self.routes.weight_targets_of(p) for p in self.routes.expert_peers(self.dp_rank) if p != self.dp_rank]
+        if not targets and not any(peers):
             return
         dests = targets if self.is_stage_owner else []  # each pipeline stage's owner sends its own layers
         sent = self.weights_out.send(dests, self.policy.hf_weights())  # each engine by its pair's transport
+        for peer_targets in filter(None, peers):
+            more = self.weights_out.send(peer_targets if self.is_stage_owner else [],
+                                         self.policy.hf_weights(experts_only=True))
+            sent = sent._replace(nbytes=sent.nbytes + more.nbytes, mpi_bytes=sent.mpi_bytes + more.mpi_bytes)
         if self.pp > 1:  # the replica's owner reports what every stage sent
             sent = type(sent)(*np.asarray(self.replica_comm.allreduce(
                 np.array(sent if self.is_stage_owner else (0, 0, 0), np.int64)), np.int64).tolist())
@@ -422,11 +429,15 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
 
     def checkpoint_state(self, step: int, light: dict | None = None) -> RankState:
         """Parameters (dp rank 0 of the shard), optimizer state, and `light_state` (now, or from the step start)."""
-        params = None
+        params, coords = None, {"dp": self.dp_rank, "tp": self.tp_rank, "pp": self.pp_rank}
         if self.dp_rank == 0:
             params = self.policy.checkpoint_tensors()
+        elif self.dp_rank < self.ep:  # the first expert group's other ranks: their experts, a file each
+            params = self.policy.checkpoint_tensors(experts_only=True)
+        if self.ep > 1:
+            coords["ep"] = self.dp_rank % self.ep
         optim, meta = self.policy.optimizer_state()
-        return RankState(self.identity, {"dp": self.dp_rank, "tp": self.tp_rank, "pp": self.pp_rank}, model=params,
+        return RankState(self.identity, coords, model=params,
                          optim=optim, optim_meta=meta, **self.critic_state(),
                          **(light if light is not None else self.light_state(step)))
 
@@ -441,7 +452,7 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
         if problem:
             raise InputError(problem)
         saved = restored.trainer_layout
-        now = {"dp": self.routes.dp, "tp": self.world.plan.group("trainer").size("tp"), "pp": self.pp}
+        now = {"dp": self.routes.dp, "tp": self.world.plan.group("trainer").size("tp"), "pp": self.pp, "ep": self.ep}
         if saved == now:
             self.policy.load_checkpoint_tensors(restored.model)
             self.policy.load_optimizer_state(restored.optim, restored.optim_meta)
@@ -468,6 +479,11 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
         waiting = int(np.asarray(restored.data_position.get("pending_count", [0])).reshape(-1)[0]) \
             if restored.found else max(int(np.asarray(r.data_position.get("pending_count", [0])).reshape(-1)[0])
                                        for r in restored.trainers)
+        if saved["ep"] > 1 or now["ep"] > 1:  # each expert-parallel rank's optimizer file holds its own experts
+            raise InputError(f"checkpoint step-{restored.step} written with trainer dp={saved['dp']} tp={saved['tp']} "
+                             f"pp={saved['pp']} ep={saved['ep']} cannot resume with dp={now['dp']} tp={now['tp']} "
+                             f"pp={now['pp']} ep={now['ep']}: a run with expert parallelism resumes in the layout it "
+                             "was written with; use that placement, or checkpoint.load_from to take only its weights")
         if waiting or self.critic is not None:  # the critic's shards are not resharded (roles/update_steps.py)
             raise InputError(f"checkpoint step-{restored.step} of " + ("a run with a critic (train.adv_estimator=gae)"
                              if self.critic is not None else "an asynchronous run (its batches generated ahead of "

@@ -57,6 +57,18 @@ class Routes:
         stride = t.size("tp") * t.size("cp") * t.size("dp")
         return [self.trainer_owner(dp) + s * stride for s in range(t.size("pp"))]
 
+    def expert_peers(self, dp: int) -> list[int]:
+        """The trainer replicas of `dp`'s expert group (placement.trainer.ep consecutive replicas; Megatron's
+        expert ranks run tp fastest, then ep, then expert data parallelism), `dp` among them."""
+        ep = self.plan.group("trainer").ep
+        return list(range(dp - dp % ep, dp - dp % ep + ep))
+
+    def weight_senders(self, dp: int) -> list[int]:
+        """World ranks that send replica `dp`'s weights to an engine, in the order the engine takes them: its
+        stage owners (`stage_owners`), then those of the other replicas of its expert group, each with its own
+        experts (ep > 1)."""
+        return self.stage_owners(dp) + [o for p in self.expert_peers(dp) if p != dp for o in self.stage_owners(p)]
+
     def trainer_coords(self, world_rank: int) -> dict[str, int]:
         t = self.plan.group("trainer")
         return t.coords(world_rank - t.rank_start)

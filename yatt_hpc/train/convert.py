@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -115,6 +116,39 @@ class Experts:
         return _contiguous_share(self.index, self.count, num_experts,
                                  f"{num_experts} experts do not split over placement.trainer.ep={self.count}; use an "
                                  f"ep that divides {num_experts}")
+
+
+_EXPERT_NAME = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def is_expert(name: str) -> bool:
+    """A Megatron name of one routed expert's tensor (SequentialMLP's ``local_experts.{e}``)."""
+    return _EXPERT_NAME.match(name) is not None
+
+
+def experts_global(shard: StateDict, experts: Experts) -> StateDict:
+    """An expert-parallel rank's shard with its experts under their model-wide numbers (a checkpoint's names)."""
+    per = 1 + max((int(m[2]) for m in map(_EXPERT_NAME.match, shard) if m), default=-1)
+    return {_renumber(name, lambda e: e + experts.index * per): t for name, t in shard.items()}
+
+
+def experts_local(shard: StateDict, experts: Experts) -> StateDict:
+    """The inverse of `experts_global` from a shard with every expert: rank `experts`'s own, renumbered from 0."""
+    total = 1 + max((int(m[2]) for m in map(_EXPERT_NAME.match, shard) if m), default=-1)
+    owned = experts.owned(total) if total else range(0)
+    out = {}
+    for name, tensor in shard.items():
+        m = _EXPERT_NAME.match(name)
+        if m is None:
+            out[name] = tensor
+        elif int(m[2]) in owned:
+            out[_renumber(name, lambda e: e - owned.start)] = tensor
+    return out
+
+
+def _renumber(name: str, number) -> str:
+    m = _EXPERT_NAME.match(name)
+    return name if m is None else f"{m[1]}{number(int(m[2]))}{m[3]}"
 
 
 def weight_rules(arch: HFArch, stage: Stage = Stage(), experts: Experts = Experts()) -> list[list[Rule]]:
@@ -396,6 +430,7 @@ def _deinterleave_qkv(fused: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
 def iter_gathered_hf_weights(
     model: torch.nn.Module, hf_config: Any, tp_group: Any, emit_tied_lm_head: bool = True, vision: bool = True,
     stage: Stage = Stage(), local: Mapping[str, torch.Tensor] | None = None, experts: Experts = Experts(),
+    experts_only: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """All-gather the live model's TP shards one tensor at a time and yield full HF tensors (of the
     model's pipeline `stage`: its layers under their HF names).
@@ -405,7 +440,8 @@ def iter_gathered_hf_weights(
     full tensors; callers usually keep them on TP rank 0 only. Peak extra memory is one tensor.
     ``vision=False`` leaves out a vision model's tower (frozen: the engines already hold it). ``local`` stands in
     for the model's state dict (LoRA's merged weights, computed as each tensor is asked for). A MoE model yields
-    the experts its expert-parallel rank `experts` owns: each expert comes from the ranks that hold it.
+    the experts its expert-parallel rank `experts` owns: each expert comes from the ranks that hold it;
+    ``experts_only``: those and nothing else (the rest of the model comes from another rank).
     """
     tp_size = torch.distributed.get_world_size(tp_group)
     arch = describe_hf_config(hf_config, tp_size)
@@ -418,6 +454,10 @@ def iter_gathered_hf_weights(
         return _all_gather(tensor, tp_group, tp_size)
 
     names = list(local) if vision else [n for n in local if not n.startswith(MEGATRON_VISION)]
+    if experts_only:
+        for rule in (r for unit in weight_rules(arch, stage, experts) for r in unit if is_expert(r.megatron)):
+            yield from _to_hf(rule, shards_of(rule), arch)
+        return
     yield from _iter_hf(arch, shards_of, emit_tied_lm_head, names, vision, stage, experts)
 
 

@@ -284,8 +284,14 @@ def _check_tp_divisibility(arch: HFArch, tp_size: int) -> None:
 
 def refuse_unsupported_moe(arch: HFArch, lora: bool, recompute: str, pp_size: int) -> None:
     """Raise for a mixture-of-experts policy with a trainer feature its experts are not wired into (the field, the
-    value, the fix); nothing for a dense model."""
+    value, the fix); for a dense model, only expert parallelism (it has no experts to split)."""
+    from yatt_hpc.moe.layers import expert_parallel_size
+
+    ep = expert_parallel_size()
     if arch.moe is None:
+        if ep > 1:
+            raise ValueError(f"placement.trainer.ep={ep} but the policy ({arch.family}) has no experts; set "
+                             "placement.trainer.ep=1")
         return
     refused = [
         (pp_size > 1, f"placement.trainer.pp={pp_size}", "pipeline stages take variable-length micro-batches, which "

@@ -27,13 +27,12 @@ import torch
 import torch.nn.functional as F
 
 from yatt_hpc.config.schema import TrainConfig, recompute_layers_problem
+from yatt_hpc.moe.layers import adopt_moe_modules
 from yatt_hpc.train import cpu_compat
 from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
 from yatt_hpc.train.mcore import (
     GPTModel,
     ModuleSpec,
-    MoELayer,
-    TopKRouter,
     TransformerConfig,
     get_gpt_layer_local_spec,
     parallel_state,
@@ -92,12 +91,17 @@ def built_group_sizes() -> dict[str, int]:
             "pp": parallel_state.get_pipeline_model_parallel_world_size()}
 
 
-def check_groups(planned: Any) -> None:
+def check_groups(planned: Any, dp_rank: int = 0) -> None:
     """Raise if the Megatron groups built differ from the plan's trainer layout (a `GroupPlan`): a
-    data-parallel group larger than planned would sum more replicas' gradients than the batch has."""
+    data-parallel group larger than planned would sum more replicas' gradients than the batch has; or if this
+    rank (replica `dp_rank`) is not the expert-parallel rank the plan's routes take it for (`Routes.expert_peers`)."""
     built, want = built_group_sizes(), dict(planned.layout)
     if built != want:
         raise RuntimeError(f"Megatron built groups {built} but the plan's trainer layout is {want}")
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep != planned.ep or parallel_state.get_expert_model_parallel_rank() != dp_rank % ep:
+        raise RuntimeError(f"Megatron made replica {dp_rank} expert-parallel rank "
+                           f"{parallel_state.get_expert_model_parallel_rank()} of {ep}; the plan has ep={planned.ep}")
 
 
 def destroy_model_parallel() -> None:
@@ -221,24 +225,6 @@ def moe_fields(arch: HFArch, ep_size: int) -> dict[str, Any]:
     }
 
 
-def set_aux_loss_scale(micro_batches: int, dp_group: Any) -> None:
-    """Scale the next backward passes' load-balancing loss by 1 / (the mini-batch's micro-batches on every dp rank).
-
-    Megatron adds each MoE layer's aux loss in its backward (``MoEAuxLossAutoScaler``), times a process-wide factor
-    its own schedules set to 1 / micro-batches. The trainer's loss of a micro-batch is already its share of the
-    mini-batch loss (`yatt_hpc/algos/aggregate.py`) and dp ranks sum their gradients, so the aux loss enters as its
-    mean over the mini-batch's micro-batches, times ``router_aux_loss_coef``. Collective over `dp_group` (once per
-    mini-batch on every rank, as the optimizer step is).
-    """
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    count = torch.tensor([float(micro_batches)])
-    if torch.distributed.get_world_size(dp_group) > 1:
-        torch.distributed.all_reduce(count, group=dp_group)
-    device = "cpu" if cpu_compat.is_cpu_runtime() else torch.cuda.current_device()
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / max(count.item(), 1.0), device=device))
-
-
 def tanh_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
@@ -293,12 +279,7 @@ def build_gpt_model(
     cpu_compat.make_rope_cpu_safe(model)
     if arch.moe is not None:
         cpu_compat.make_moe_mappings_cpu_safe()
-    for module in model.modules():
-        if type(module) is TopKRouter:
-            module.__class__ = LocalTopKRouter
-        if type(module) is MoELayer and tp_size > 1:
-            module.__class__ = TokenSplitMoELayer
-            module.attn_tp_group = _OneRankGroup()  # read only by the guard TokenSplitMoELayer answers
+    adopt_moe_modules(model, tp_size)  # the trainer's router and MoE layer classes (moe/layers.py)
     if params_dtype != torch.float32:
         # what Megatron's Float16Module does: the norms and position embeddings of the local spec are
         # built in fp32 whatever params_dtype says, so the whole model is cast once
@@ -342,105 +323,6 @@ def _layer_spec(arch: HFArch, config: TransformerConfig) -> ModuleSpec:
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
     return spec
-
-
-class _OneRankGroup:
-    """Answers ``size() == 1`` to MoELayer's guard against tp > 1 without sequence parallelism."""
-
-    def size(self) -> int:
-        return 1
-
-
-class TokenSplitMoELayer(MoELayer):
-    """Megatron's MoELayer under tp > 1 without sequence parallelism (which the local spec's torch norms refuse,
-    torch_norm.py): each tensor rank routes its 1/tp of the tokens, as it would with sequence parallelism.
-
-    MoELayer expects [S/tp, B, H] (it refuses training otherwise: its dispatcher gathers tokens over tp x ep, so
-    the replicated [S, B, H] would reach every expert tp times). Here the sequence is zero-padded to a multiple
-    of tp, scattered (backward: all-gather), run through the layer, and gathered back (backward: this rank's
-    slice), which is sequence parallelism's region around one MLP. The padded rows are routed like tokens; they
-    count in the load-balancing loss (computed as Megatron computes it under sequence parallelism), never in a real
-    token's output nor in `ExpertLoad`. The router, which now sees only this rank's tokens, sums its gradient over
-    tp (`LocalTopKRouter`)."""
-
-    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
-        if padding_mask is not None:
-            raise NotImplementedError("TokenSplitMoELayer takes no padding_mask")
-        group = parallel_state.get_tensor_model_parallel_group()
-        seq = hidden_states.shape[0]
-        pad = -seq % torch.distributed.get_world_size(group)
-        if pad:
-            hidden_states = F.pad(hidden_states, (0, 0, 0, 0, 0, pad))
-        local = tensor_parallel.scatter_to_sequence_parallel_region(hidden_states, group=group)
-        out, bias = super().forward(local, intermediate_tensors)
-        out = tensor_parallel.gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False,
-                                                                   group=group)
-        return out[:seq], bias
-
-
-class LocalTopKRouter(TopKRouter):
-    """Megatron's top-k router with its gate as a plain linear layer, computed in the input's dtype (or
-    ``moe_router_dtype``). Megatron's ``gating`` moves the weight to CUDA on every call when it sits on CPU and
-    calls ``router_gating_linear``, whose forward reads ``te_general_gemm``, a name defined only when Transformer
-    Engine imports (moe/moe_utils.py); the local spec runs without it, on CPU and GPU alike."""
-
-    def gating(self, input: torch.Tensor) -> torch.Tensor:
-        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        # under tp each rank routes its own tokens (TokenSplitMoELayer): the replicated weight's gradient is the
-        # sum over tp (identity forward, all-reduce backward), as Megatron's finalize_model_grads would sum it
-        weight = tensor_parallel.copy_to_tensor_model_parallel_region(
-            self.weight, group=parallel_state.get_tensor_model_parallel_group())
-        return F.linear(input.to(dtype), weight.to(dtype), bias)
-
-
-class ExpertLoad:
-    """Tokens each expert of each MoE layer was given over the forwards counted, pad positions left out.
-
-        load = ExpertLoad(model)          # hooks every router of `model` (none for a dense model)
-        logits = forward_logits(model, inputs)
-        load.count(valid)                 # valid: [B, T] bool, the inputs' real tokens
-        load.take()                       # [layers, experts] float64 counts since the last take, summed over tp
-
-    A router sees [S, B] tokens, S-major, and under tp only its rank's slice of the padded sequence
-    (`TokenSplitMoELayer`); `count` lays `valid` out the same way. A forward not followed by `count` (a shared-prompt
-    stream, a forward-only pass) is dropped at the next forward's first router.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = [m for m in model.modules() if isinstance(m, LocalTopKRouter)]
-        self.maps: list[torch.Tensor | None] = [None] * len(self.routers)
-        self.counts = torch.zeros(len(self.routers), self.routers[0].config.num_moe_experts if self.routers else 0,
-                                  dtype=torch.float64)
-        for index, router in enumerate(self.routers):
-            router.register_forward_hook(self._keep(index))
-
-    def _keep(self, index: int):
-        def hook(module, args, output) -> None:
-            if index == 0:
-                self.maps = [None] * len(self.routers)
-            self.maps[index] = output[1].detach()  # routing_map [tokens, experts]
-        return hook
-
-    def count(self, valid: torch.Tensor) -> None:
-        if not self.routers or self.maps[0] is None:
-            return
-        group = parallel_state.get_tensor_model_parallel_group()
-        tp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-        flat = valid.t()  # [S, B], the routers' order
-        if tp > 1:  # this rank's slice of the sequence padded to a multiple of tp (TokenSplitMoELayer)
-            flat = F.pad(flat, (0, 0, 0, -flat.shape[0] % tp)).chunk(tp)[rank]
-        flat = flat.reshape(-1).to(self.maps[0].device)
-        for index, routing in enumerate(self.maps):
-            self.counts[index] += routing[flat].sum(0).to(torch.float64).cpu()
-        self.maps = [None] * len(self.routers)
-
-    def take(self) -> torch.Tensor:
-        counts, self.counts = self.counts, torch.zeros_like(self.counts)
-        group = parallel_state.get_tensor_model_parallel_group()
-        if self.routers and torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(counts, group=group)
-        return counts
 
 
 class HeadRMSNorm(torch.nn.RMSNorm):

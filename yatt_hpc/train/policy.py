@@ -52,6 +52,8 @@ from yatt_hpc.device.offload import HostParking
 from yatt_hpc.lora.layers import Lora
 from yatt_hpc.metrics.activity import ACTIVITY
 from yatt_hpc.models.hf_config import load_hf_config
+from yatt_hpc.moe.layers import ExpertLoad, set_aux_loss_scale
+from yatt_hpc.moe.lockstep import ExpertLockstep
 from yatt_hpc.moe.routing_replay import RoutingReplay
 from yatt_hpc.optim.adamw import AdamW
 from yatt_hpc.optim.buckets import GRAD_BUCKET_MB, allreduce_bucketed
@@ -122,16 +124,25 @@ class MegatronPolicy(StageUpdate):
         self.images = images  # a vision-language policy's image processor, else None
         self.vocab_size = hf_config.get_text_config().vocab_size
         self.moe = describe_hf_config(hf_config, 1).moe is not None  # its aux loss's scale, per mini-batch
-        self.expert_load = megatron_model.ExpertLoad(model) if self.moe else None  # tokens per expert, for metrics
+        self.expert_load = ExpertLoad(model) if self.moe else None  # tokens per expert, for metrics
         # train.moe_routing_replay: the policy's forwards send response tokens to the engine's experts
         self.replay = RoutingReplay(model) if cfg.moe_routing_replay else None
+        # placement.trainer.ep > 1: this rank's experts, and the expert group's forwards kept in step
+        self.experts = expert_rank()
+        self.lockstep = ExpertLockstep.of(model) if self.moe else None
         self.named_params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # not a frozen tower
+        for name, p in self.named_params.items():  # an expert-parallel rank's own experts: reduced over their holders
+            p.expert_parallel = self.experts.count > 1 and convert.is_expert(name)
         self.mixed = any(p.dtype != torch.float32 for p in self.named_params.values())
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.pipeline = PipelineStages() if parallel_state.get_pipeline_model_parallel_world_size() > 1 else None
         # train.shard_optimizer: AdamW state (and a bf16 model's fp32 masters) split over the DP ranks
         self.sharded = cfg.shard_optimizer and torch.distributed.get_world_size(self.dp_group) > 1
+        if self.sharded and self.experts.count > 1:
+            raise ValueError(f"train.shard_optimizer=true with placement.trainer.ep={self.experts.count}: the sharded "
+                             "optimizer splits every parameter over all data-parallel ranks, and an expert-parallel "
+                             "rank's experts are its own; set train.shard_optimizer=false or placement.trainer.ep=1")
         if self.sharded:
             self.master = {}
             self.optimizer = ShardedAdamW(self.named_params, self.dp_group, lr=cfg.lr, betas=cfg.adam_betas,
@@ -154,7 +165,7 @@ class MegatronPolicy(StageUpdate):
         refuse_unsupported_moe(describe_hf_config(hf_config, tp_size), cfg.lora.enabled, cfg.recompute,
                                parallel_state.get_pipeline_model_parallel_world_size())
         hf_state = load_hf_state_dict(model_dir)
-        shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank, tp_size, pipeline_stage())
+        shard = convert.hf_to_megatron(hf_state, hf_config, tp_rank, tp_size, pipeline_stage(), expert_rank())
         vision = hasattr(hf_config, "vision_config")
         if cfg.train_vision_tower and not vision:
             raise ValueError(f"train.train_vision_tower=true but model.path={str(model_dir)!r} has no vision tower "
@@ -206,8 +217,10 @@ class MegatronPolicy(StageUpdate):
                 terms = LossTerms(counts, plan.kl_coef, plan.norm_len)
                 self._zero_grads()
                 micros = list(micro_batches(batch, index, self.cfg))
+                # ep > 1: agreed before any forward, as the expert group's other collectives follow
+                idle = self.lockstep.missing(len(micros)) if self.lockstep is not None else 0
                 if self.moe:  # the load-balancing loss: its mean over the mini-batch's micro-batches
-                    megatron_model.set_aux_loss_scale(len(micros), self.dp_group)
+                    set_aux_loss_scale(len(micros), self.dp_group)
                 for micro in micros:
                     totals.micro_batch_tokens_max = max(totals.micro_batch_tokens_max, forward_tokens(
                         batch.prompt_len[micro], batch.response_len[micro], batch.prompt_id[micro], self.share_prompts))
@@ -222,6 +235,9 @@ class MegatronPolicy(StageUpdate):
                         setattr(totals, key, getattr(totals, key) + getattr(stats, key))
                     if steps == 0:  # only the first optimizer step scores the weights the rollout sampled with
                         totals.logp_diff_max = max(totals.logp_diff_max, stats.logp_diff_max)
+                for _ in range(idle):  # ep > 1: as many micro-steps as the busiest rank of the expert group
+                    self.lockstep.idle_step(self.model, self.reference if self.reference is not None and terms.kl_coef
+                                            else None)
                 totals.grad_norm += self._optimizer_step()
                 steps += 1
         if self.pipeline is not None:  # the last stage computed the losses: every stage reports its numbers
@@ -263,7 +279,9 @@ class MegatronPolicy(StageUpdate):
             return self._pipeline_logprobs(model, batch)
         out: list[np.ndarray | None] = [None] * len(batch)
         pixels = self._group_pixels(batch)
-        for micro in micro_batches(batch, np.arange(len(batch)), self.cfg):
+        micros = list(micro_batches(batch, np.arange(len(batch)), self.cfg))
+        idle = self.lockstep.missing(len(micros)) if self.lockstep is not None else 0  # ep > 1, before any forward
+        for micro in micros:
             mb = batch.select(micro)
             if self.share_prompts:
                 layout = shared_prompt.build_layout(mb.ragged("prompt_tokens"), mb.ragged("response_tokens"),
@@ -285,6 +303,8 @@ class MegatronPolicy(StageUpdate):
             for i, row in zip(micro, rows):
                 out[i] = row
             ACTIVITY.progress()
+        for _ in range(idle):  # as many forwards as the busiest rank of the expert group
+            self.lockstep.idle_forward(model)
         return out
 
     def _replayed(self, model, mb: SampleBatch, layout: shared_prompt.SharedLayout | int):
@@ -429,16 +449,21 @@ class MegatronPolicy(StageUpdate):
         return norm
 
     def _allreduce_grads(self) -> None:
-        """SUM the gradients the optimizer will step over the DP group, in `GRAD_BUCKET_MB` buckets."""
+        """SUM the gradients the optimizer will step over the DP group, in `GRAD_BUCKET_MB` buckets; under ep > 1
+        an expert's over the ranks that hold it (Megatron's expert-data-parallel group: its tokens' gradients
+        reached it from every rank of its expert group already, through the dispatcher's backward)."""
         if torch.distributed.get_world_size(self.dp_group) == 1:
             return
-        grads = []
+        dense, experts = [], []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:  # a replica with no samples this step still joins every all-reduce
                     p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-        allreduce_bucketed(grads, self.dp_group, GRAD_BUCKET_MB * 2**20)
+                (experts if getattr(p, "expert_parallel", False) else dense).append(p.grad)
+        allreduce_bucketed(dense, self.dp_group, GRAD_BUCKET_MB * 2**20)
+        expert_dp = parallel_state.get_expert_data_parallel_group()
+        if experts and torch.distributed.get_world_size(expert_dp) > 1:
+            allreduce_bucketed(experts, expert_dp, GRAD_BUCKET_MB * 2**20)
 
     def _grads_to_master(self) -> None:
         """bf16 model: move each gradient into its fp32 master (the model's own grads are dropped)."""
@@ -455,17 +480,23 @@ class MegatronPolicy(StageUpdate):
             for name, p in self.named_params.items():
                 p.copy_(self.master[name])
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+    def checkpoint_tensors(self, experts_only: bool = False) -> dict[str, torch.Tensor]:
         """The model's state dict with every parameter at full (master) precision (a sharded bf16 run: the
-        bf16 parameters; its fp32 masters are in the optimizer shards, `optimizer_state`)."""
+        bf16 parameters; its fp32 masters are in the optimizer shards, `optimizer_state`). Experts go under their
+        model-wide numbers; `experts_only`: this expert-parallel rank's experts alone."""
         state = {k: v for k, v in self.model.state_dict().items() if isinstance(v, torch.Tensor)
                  and (self.lora is None or k in self.named_params)}  # LoRA: the adapters (the base is model.path)
         if self.mixed and not self.sharded:
             state.update({name: m.detach() for name, m in self.master.items() if name in state})
-        return state
+        if experts_only:
+            state = {k: v for k, v in state.items() if convert.is_expert(k)}
+        return convert.experts_global(state, self.experts) if self.experts.count > 1 else state
 
     def load_checkpoint_tensors(self, shard: dict[str, torch.Tensor]) -> None:
-        """Inverse of `checkpoint_tensors` (a converter shard works too): model and masters."""
+        """Inverse of `checkpoint_tensors` (a converter shard works too): model and masters. Under ep > 1 `shard`
+        holds every expert (`ckpt/loader.read_weights`); this rank takes its own."""
+        if self.experts.count > 1:
+            shard = convert.experts_local(shard, self.experts)
         if self.lora is not None:
             self.lora.load(self.model, shard)
         else:
@@ -502,14 +533,20 @@ class MegatronPolicy(StageUpdate):
         gradients to `grad_clip` if set."""
         # summed on the parameters' device: NCCL reduces device tensors only, and one sync at the end
         sharded, replicated = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        experts = torch.zeros((), device=self.device)  # ep > 1: this rank's own experts (tp-split like dense MLPs)
         for p, g in grads:
             if g is None or getattr(p, "shared", False):  # the last stage's copy of tied embeddings: counted once
                 continue
             sq = g.detach().float().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
+            if getattr(p, "expert_parallel", False):
+                experts += sq
+            elif getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:
                 replicated += sq
+        if self.experts.count > 1:  # every expert of the layer: the sum over the expert group
+            torch.distributed.all_reduce(experts, group=parallel_state.get_expert_model_parallel_group())
+            sharded += experts
         if torch.distributed.get_world_size(self.tp_group) > 1:
             torch.distributed.all_reduce(sharded, group=self.tp_group)
         total = sharded + replicated
@@ -551,12 +588,20 @@ class MegatronPolicy(StageUpdate):
 
     # ------------------------------------------------------------------ weights out
 
-    def hf_weights(self):
+    def hf_weights(self, experts_only: bool = False):
         """(hf_name, tensor) of the full model; collective over the TP group (all TP ranks iterate). With LoRA the
-        weights are merged (base + scaling x B A), so the engines need no adapter support."""
+        weights are merged (base + scaling x B A), so the engines need no adapter support. Under ep > 1 the
+        experts are this rank's own; `experts_only`: those alone."""
         return convert.iter_gathered_hf_weights(self.model, self.hf_config, self.tp_group,
                                                 vision=self.cfg.train_vision_tower, stage=pipeline_stage(),
-                                                local=None if self.lora is None else self.lora.merged_state(self.model))
+                                                local=None if self.lora is None else self.lora.merged_state(self.model),
+                                                experts=self.experts, experts_only=experts_only)
+
+
+def expert_rank() -> convert.Experts:
+    """This rank's share of a MoE model's experts (all of them unless placement.trainer.ep > 1)."""
+    return convert.Experts(parallel_state.get_expert_model_parallel_rank(),
+                           parallel_state.get_expert_model_parallel_world_size())
 
 
 def pipeline_stage() -> convert.Stage:
@@ -567,7 +612,7 @@ def pipeline_stage() -> convert.Stage:
 
 def _master_copy(p: torch.Tensor) -> torch.Tensor:
     master = p.detach().float().clone().requires_grad_(True)
-    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared"):  # what clipping reads
+    for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "expert_parallel"):  # clipping
         if hasattr(p, attr):
             setattr(master, attr, getattr(p, attr))
     return master
