@@ -18,11 +18,13 @@ class RewardTerm(Section):
 
     name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")
     """The term's name (letters, digits, `_`), unique in `reward.terms`; its metric is `reward/<name>/mean`."""
-    kind: Literal["exact", "math", "format", "function", "genrm", "environment"]
+    kind: Literal["exact", "math", "format", "function", "genrm", "environment", "code"]
     """`exact` (response == reference after stripping), `math` (final answer equivalent to the reference, by
     math-verify), `format` (`pattern` found in the response), `function` (user code), `genrm` (the judge),
-    `environment` (the rewards `agent.environment` gave the trajectory, summed). With `agent:` tools the terms
-    read a response's last model turn (its answer), not the tool turns before it."""
+    `environment` (the rewards `agent.environment` gave the trajectory, summed), `code` (the fraction of the row's
+    `tests` the answer's last ```python block passes, run in the sandbox on the tools group or the rollout rank;
+    docs/agentic.md). With `agent:` tools the terms read a response's last model turn (its answer), not the tool
+    turns before it."""
     weight: float = 1.0
     """The term's weight: the reward is the sum of weight x term (no clipping; a negative weight is a penalty)."""
     pattern: str | None = None
@@ -34,12 +36,15 @@ class RewardTerm(Section):
     batched: bool = False
     """`function` only: call `fn(prompts, responses, answers, metadata)` with lists once per scored batch;
     it returns a list of floats, one per row."""
+    all_or_nothing: bool = False
+    """`code` only: score 1 when every test passes, else 0 (false: the fraction of tests passed)."""
 
     @model_validator(mode="after")
     def _fields_of_the_kind(self) -> RewardTerm:
         where = f"reward.terms item {self.name!r} (kind {self.kind})"
-        given = {"pattern": self.pattern is not None, "function": self.function is not None, "batched": self.batched}
-        owner = {"pattern": "format", "function": "function", "batched": "function"}
+        given = {"pattern": self.pattern is not None, "function": self.function is not None, "batched": self.batched,
+                 "all_or_nothing": self.all_or_nothing}
+        owner = {"pattern": "format", "function": "function", "batched": "function", "all_or_nothing": "code"}
         for key, is_set in given.items():
             if is_set and owner[key] != self.kind:
                 raise ValueError(f"{where} sets {key}, which only a {owner[key]} term reads; remove {key} or use "
@@ -189,6 +194,10 @@ class RewardConfig(Section):
         if len(judges) > 1:
             raise ValueError(f"reward.terms has {len(judges)} genrm terms ({', '.join(judges)}); there is one judge, "
                              "so keep one genrm term")
+        codes = [t.name for t in terms if t.kind == "code"]
+        if len(codes) > 1:
+            raise ValueError(f"reward.terms has {len(codes)} code terms ({', '.join(codes)}); the rollout ranks run "
+                             "the tests once per response, so keep one code term")
         for name in ("alpha", "beta"):
             if self._changed(name):
                 raise ValueError(f"reward.{name}={getattr(self, name):g} is a weight of the reward.mode shorthand, not "
