@@ -43,7 +43,6 @@ from yatt_hpc.agent.sandbox import SandboxRun
 from yatt_hpc.agent.tools import ToolCall, ToolOutcome, build_toolbox
 from yatt_hpc.ckpt import RngOnlyState
 from yatt_hpc.comm.doorbell import DOORBELL
-from yatt_hpc.config.agent import code_term
 from yatt_hpc.comm.transport import (
     TAG_CODE_RESULTS,
     TAG_CODE_RUNS,
@@ -56,6 +55,7 @@ from yatt_hpc.comm.transport import (
     wait_for_any,
     wait_for_message,
 )
+from yatt_hpc.config.agent import code_term
 
 log = logging.getLogger(__name__)
 MAX_BATCHED = 64  # requests a tool rank takes into one pool run (the rest wait for the next)
