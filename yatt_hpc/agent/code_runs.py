@@ -5,7 +5,7 @@
     reward.take_stats()                                    # code_* counters for the step's `code/...` metrics
 
     pool = CodeRunPool(cfg.agent)        # where programs run: the sandbox (probed, refused as the python tool is)
-    runs = pool.run(sources)             # one SandboxRun per program, in order, on agent.tool_workers threads
+    runs = pool.run_code(sources)        # one SandboxRun per program, in order, on agent.tool_workers threads
 
 Test: .venv/bin/python -m pytest tests/unit/test_code_reward.py tests/mpi/test_code_reward_run.py
 
@@ -22,6 +22,7 @@ import concurrent.futures as futures
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,7 +38,9 @@ from yatt_hpc.agent.code_tests import (
 )
 from yatt_hpc.agent.sandbox import PythonSandbox, SandboxRun
 from yatt_hpc.config.agent import AgentConfig, code_term
-from yatt_hpc.rollout.engine import GenerationResult
+
+if TYPE_CHECKING:  # a tool rank imports this module and must not import torch (rollout/engine.py does)
+    from yatt_hpc.rollout.engine import GenerationResult
 
 log = logging.getLogger(__name__)
 CODE_OUTPUT_CHARS = 65536
@@ -53,7 +56,7 @@ class CodeRunPool:
         self.sandbox = PythonSandbox(limits)  # probes: refused here as the python tool is, naming the setting
         self._pool = futures.ThreadPoolExecutor(cfg.tool_workers, thread_name_prefix="code")
 
-    def run(self, sources: Sequence[str]) -> list[SandboxRun]:
+    def run_code(self, sources: Sequence[str]) -> list[SandboxRun]:
         return list(self._pool.map(self.sandbox.run, sources))
 
     def close(self) -> None:
@@ -92,7 +95,7 @@ class CodeReward:
                 log.warning("reward term code: prompt row %s (prompt_id %d) scores 0: %s", _row_name(row),
                             row["prompt_id"], err)
         sources = [harness_source(p, t, k, self.secret) for _, p, t in jobs for k in range(len(t))]
-        runs = iter(self.runner.run(sources) if sources else [])
+        runs = iter(self.runner.run_code(sources) if sources else [])
         scores = [0.0] * len(results)
         for i, program, tests in jobs:
             mine = [next(runs) for _ in range(len(tests))]

@@ -5,7 +5,7 @@
     box.end_wave()                            # before the wave's gate: every tool rank may stop serving it
 
     ctl = ToolsController(world, cfg, stats, protocol)       # a rank of the tools group (runtime/worker.py)
-    runs = box.run_code(sources)              # as CodeRunPool.run: one SandboxRun per program, in order
+    runs = box.run_code(sources)              # as CodeRunPool.run_code: one SandboxRun per program, in order
     ctl.step(step)                            # serve calls until every rollout rank ended the wave
 
 Test: .venv/bin/python -m pytest tests/unit/test_tools_group.py tests/mpi/test_tool_calls.py
@@ -222,7 +222,7 @@ class ToolsController(RngOnlyState):
         assert self.code_pool is not None, "test programs came, and this run has no code reward term"
         parts = [json.loads(data) for data, _ in requests]
         with self.stats.phase("tools"):
-            runs = self.code_pool.run([s for part in parts for s in part])
+            runs = self.code_pool.run_code([s for part in parts for s in part])
         self.stats.add("tools_served_code_runs", len(runs))
         self._reply(requests, [len(p) for p in parts], runs, encode_runs, TAG_CODE_RESULTS)
 

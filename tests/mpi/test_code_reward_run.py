@@ -1,0 +1,68 @@
+"""The `code` reward term in real `yatt-hpc run`s: its tests run on the tools group's rank when there is one (never on
+the rollout or GenRM ranks), in the rollout rank's sandbox when there is none, and score the same either way.
+
+    .venv/bin/python -m pytest tests/mpi/test_code_reward_run.py -q          # two short runs (~1 min)
+
+The policy is the demo's; `tests.programs.coding_engine` replaces each response by a program chosen by its sample
+id (right, wrong, crashing, endless, none, half right), so every score is known in advance: each row has two
+stdin/stdout tests, and every 6 samples score 1, 0, 0, 0, 0 and 0.5.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import NO_EVAL, REPO, mpi_env
+from yatt_hpc.metrics.writer import step_rows
+
+CONFIG = str(REPO / "configs/demo_cpu.yaml")
+TESTS = {"inputs": ["3\n", "5\n"], "outputs": ["6\n", "10\n"]}
+GROUP = "placement.tools.tasks_per_node=1"  # world rank 4, after trainer 0-1, rollout 2, genrm 3
+
+
+def write_rows(path: Path, n: int = 16) -> Path:
+    with path.open("w") as f:
+        for k in range(n):
+            f.write(json.dumps({"prompt": f"x2 {k}\n> ", "answer": "", "tests": TESTS}) + "\n")
+    return path
+
+
+def run(run_dir: Path, data: Path, *sets: str, timeout: int = 600) -> list[dict]:
+    sets = ("train.steps=2", "train.prompts_per_step=6", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=40",
+            f"data.source={data}", "reward.mode=rule_only",
+            "reward.terms=[{name: tests, kind: code}]", "agent.sandbox.timeout_s=1", "logging.progress=false",
+            "checkpoint.interval=0", *NO_EVAL, *sets)
+    args = [a for kv in sets for a in ("--set", kv)]
+    env = {**mpi_env(), "YATT_TEST_ENGINE_WRAPPER": "tests.programs.coding_engine:CodingEngine"}
+    proc = subprocess.run([sys.executable, "-m", "yatt_hpc.cli", "run", CONFIG, "--run-dir", str(run_dir), *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return step_rows(run_dir)
+
+
+def test_the_code_reward_runs_on_the_tools_rank_and_scores_as_on_the_rollout_rank(mpirun, tmp_path):
+    data = write_rows(tmp_path / "rows.jsonl")
+    alone = run(tmp_path / "alone", data)
+    group = run(tmp_path / "group", data, GROUP)
+    assert len(alone) == len(group) == 2
+    for a, g in zip(alone, group):
+        samples = 6 * 4  # prompts x samples: sample ids k..k+23 of each step, 4 of each ANSWERS kind
+        assert a["code/samples"] == g["code/samples"] == samples
+        assert a["code/parse_failures"] == g["code/parse_failures"] == samples / 6
+        runs = 2 * (samples - samples / 6)  # two tests per program
+        # without a group the rollout rank ran every test; with one the tools rank did, the rollout rank none
+        assert a["code/runs_on_rollout_ranks"] == runs and "code/runs_on_tools_group" not in a
+        assert g["code/runs_on_tools_group"] == runs and g["code/runs_on_rollout_ranks"] == 0
+        assert a["code/timeouts"] == g["code/timeouts"] == 2 * samples / 6
+        assert a["code/run_errors"] == g["code/run_errors"] == 2 * samples / 6  # the crashes
+        assert a["code/pass_rate"] == g["code/pass_rate"] == pytest.approx(3 / 10)  # (2 + 1) of 10 tests per 6
+        assert a["code/score_mean"] == g["code/score_mean"] == pytest.approx(1.5 / 6)
+        keys = [k for k in a if k.startswith("reward/")]
+        assert keys and {k: a[k] for k in keys} == {k: g[k] for k in keys}
+        assert a["reward/tests/mean"] == pytest.approx(1.5 / 6)
+    log = (tmp_path / "group" / "logs" / "rank-0004-tools.log").read_text()
+    assert "the code reward's tests" in log and "(loaded: no torch)" in log
