@@ -92,10 +92,12 @@ class RewardConfig(Section):
     terms: list[RewardTerm] | None = None
     """The reward as weighted terms, summed, e.g. `[{name: acc, kind: math}, {name: fmt, kind: format, pattern:
     "</think>", weight: 0.1}, {name: mine, kind: function, function: "pkg.mod:fn", weight: 0.5, batched: false},
-    {name: judge, kind: genrm, weight: 0.5}]` (keys: name, kind, weight, pattern, function, batched). A
-    function gets metadata {sample_id, prompt_id, owner, response_tokens, finish}; one that raises stops the
-    run naming the row. At most one genrm term. `rule_score` (reward/accuracy, the judge agreement) is the
-    first exact, math or function term, else the exact verifier as a metric only. null: the `mode` shorthand,
+    {name: judge, kind: genrm, weight: 0.5}, {name: tests, kind: code, all_or_nothing: false}]` (keys: name, kind,
+    weight, pattern, function, batched, all_or_nothing). A function gets metadata {sample_id, prompt_id, owner,
+    response_tokens, finish}; one that raises stops the run naming the row. A code term runs the answer's last
+    ```python block on the row's `tests` in the sandbox, on the tools group or the rollout ranks (docs/agentic.md).
+    At most one genrm term and one code term. `rule_score` (reward/accuracy, the judge agreement) is the first
+    exact, math, function or code term, else the exact verifier as a metric only. null: the `mode` shorthand,
     terms `genrm` (weight alpha) and `rule` (kind exact, weight beta)."""
     parse_fail_score: float = Field(0.0, ge=0, le=1)
     """Score given when the judge's verdict cannot be parsed (counted as reward/genrm_parse_fail)."""
