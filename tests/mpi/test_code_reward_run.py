@@ -1,7 +1,8 @@
 """The `code` reward term in real `yatt-hpc run`s: its tests run on the tools group's rank when there is one (never on
 the rollout or GenRM ranks), in the rollout rank's sandbox when there is none, and score the same either way.
 
-    .venv/bin/python -m pytest tests/mpi/test_code_reward_run.py -q          # five short runs (~2.5 min)
+    .venv/bin/python -m pytest tests/mpi/test_code_reward_run.py -q          # five short runs (~1.5 min)
+    YATT_FULL_FAULT_MATRIX=1 .venv/bin/python -m pytest tests/mpi/test_code_reward_run.py -q   # + over-dispatch
 
 The policy is the demo's; `tests.programs.coding_engine` replaces each response by a program chosen by its sample
 id (right, wrong, crashing, endless, none, half right), so every score is known in advance: each row has two
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import NO_EVAL, REPO, final_state, mpi_env
+from tests.conftest import NO_EVAL, REPO, final_state, full_matrix_only, mpi_env
 from tests.mpi.test_exact_resume import assert_same, finished_steps
 from tests.programs.held_engine import held_env
 from yatt_hpc.metrics.writer import step_rows
@@ -78,6 +79,17 @@ def test_the_code_reward_runs_on_the_tools_rank_and_scores_as_on_the_rollout_ran
     log = (tmp_path / "group" / "logs" / "rank-0004-tools.log").read_text()
     assert "the code reward's tests" in log and "(loaded: no torch)" in log
 
+
+
+@full_matrix_only
+def test_over_dispatch_with_the_tools_group_scores_the_generated_samples(mpirun, tmp_path):
+    """A helper thread takes the STOPs while the loop thread waits on the tools group's test runs."""
+    data = write_rows(tmp_path / "rows.jsonl")
+    rows = run(tmp_path / "run", data, "placement.mode=partial", "rollout.over_dispatch_ratio=1.5",
+               "rollout.stream_chunk=4", GROUP)
+    for r in rows:
+        assert r["code/samples"] >= 6 * 4 and r["code/runs_on_tools_group"] == r["code/test_runs"] > 0
+        assert r["code/runs_on_rollout_ranks"] == 0  # which groups are kept depends on timing, so no mean here
 
 ASYNC = ("train.steps=4", "checkpoint.interval=2", "checkpoint.stop_grace_s=2", "placement.mode=disjoint",
          "rollout.max_staleness=1", GROUP)

@@ -250,3 +250,28 @@ def test_refused_code_settings_name_the_field_and_the_fix(overrides, needle):
     with pytest.raises(ConfigError) as err:
         cfg(*overrides)
     assert needle in str(err.value), str(err.value)
+
+
+def test_an_agents_program_is_read_from_its_last_model_turn_only(pool):
+    """Multi-turn trajectories (a tool call, its result, the answer): the program of the answer counts; one written
+    in an earlier turn, before a tool call, does not."""
+    from tests.programs.scripted_engine import ScriptedEngine
+    from yatt_hpc.agent.loop import AgentLoop
+    from yatt_hpc.agent.tools import build_toolbox
+    from yatt_hpc.config.agent import ToolSpec
+    from yatt_hpc.demo.lookup import CALL_PATTERN, call_text, lookup_row
+    from yatt_hpc.rollout.engine import GenerationRequest
+
+    tok = load_tokenizer(str(REPO / "models/demo_tools/policy"))
+    cfg = AgentConfig(tools=[ToolSpec(function="yatt_hpc.demo.lookup:look")], tool_call_pattern=CALL_PATTERN,
+                      max_turns=3, max_response_tokens=400)
+    row = lookup_row(5, 0)
+    key, program = row["prompt"].split()[1], "```python\nprint(int(input())*2)\n```"
+    engine = ScriptedEngine(tok, {0: [call_text(key), program], 1: [program + call_text(key), "no code"]})
+    requests = [GenerationRequest(sample_id=i, prompt_ids=tok.encode(row["prompt"]), max_new_tokens=128) for i in (0, 1)]
+    outs = AgentLoop(cfg, tok, max_new_tokens=128, engine_seed=0, toolbox=build_toolbox(cfg)).run(engine, requests)
+    assert [o.turns for o in outs] == [2, 2] and all((o.mask == 0).any() for o in outs)
+    reward = CodeReward(pool, tok, all_or_nothing=False, secret=0, remote=False)
+    rows = [{"prompt": row["prompt"], "prompt_id": i, "metadata": {"tests": DOUBLE}} for i in (0, 1)]
+    assert reward.score(rows, [o.result for o in outs], [o.mask for o in outs]) == [1.0, 0.0]
+    assert reward.take_stats()["code_parse_failures"] == 1
