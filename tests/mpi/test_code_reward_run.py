@@ -36,7 +36,7 @@ CODING = "tests.programs.coding_engine:CodingEngine"
 def write_rows(path: Path, n: int = 32) -> Path:
     with path.open("w") as f:
         for k in range(n):
-            f.write(json.dumps({"prompt": f"x2 {k}\n> ", "answer": "", "tests": TESTS}) + "\n")
+            f.write(json.dumps({"prompt": f"x2 {k}\n> ", "tests": TESTS}) + "\n")
     return path
 
 

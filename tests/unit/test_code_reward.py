@@ -233,6 +233,29 @@ def test_a_code_term_allows_a_tools_group_and_sandbox_limits_without_tools():
     assert c.agent.sandbox.timeout_s == 2 and not c.agent.enabled and c.placement.tools.tasks_per_node == 1
 
 
+@pytest.mark.parametrize("terms, needed", [
+    pytest.param(CODE, False, id="code"),
+    pytest.param("reward.terms=[{name: t, kind: code}, {name: f, kind: format, pattern: x}]", False, id="code-format"),
+    pytest.param("reward.terms=[{name: t, kind: code}, {name: a, kind: exact}]", True, id="code-exact"),
+    pytest.param("reward.mode=rule_only", True, id="shorthand-rule"),
+])
+def test_rows_need_an_answer_only_where_a_term_reads_it(terms, needed, tmp_path):
+    from yatt_hpc.data.prompts import DatasetError, build_prompt_source
+
+    c = cfg(terms)
+    assert c.reward.needs_answer is needed
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "x2 3", "tests": DOUBLE}) + "\n")
+    data = c.data.model_copy(update={"source": str(rows)})
+    tok = load_tokenizer(str(REPO / "models/demo/policy"))
+    if needed:  # the first row is read when the source is built
+        with pytest.raises(DatasetError, match="row has no 'answer' column"):
+            build_prompt_source(data, tok, require_answer=c.reward.needs_answer)
+    else:
+        row = build_prompt_source(data, tok, require_answer=c.reward.needs_answer).row_at(0)
+        assert row["answer"] == "" and row["metadata"] == {"tests": DOUBLE}
+
+
 @pytest.mark.parametrize("overrides, needle", [
     pytest.param((CODE, "rollout.streaming=finished_groups"), "reward.terms item 'tests' (kind code) with "
                  "rollout.streaming=finished_groups", id="streaming"),

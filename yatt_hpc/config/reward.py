@@ -215,6 +215,12 @@ class RewardConfig(Section):
         """Whether a field holds other than its default (a default value has no effect to refuse)."""
         return getattr(self, name) != type(self).model_fields[name].default
 
+    @property
+    def needs_answer(self) -> bool:
+        """Whether every row must carry `data.answer_key`: a term other than genrm, code and format reads the
+        reference (rows without one get an empty answer otherwise)."""
+        return any(t.kind not in ("genrm", "code", "format") for t in self.effective_terms())
+
     def effective_terms(self) -> tuple[RewardTerm, ...]:
         """The terms that make the reward: `terms`, or those the `mode` shorthand stands for."""
         if self.terms is not None:

@@ -50,7 +50,7 @@ class HeldOut:
         sources, counts = [], []
         for src in cfg.eval.sources:
             stream = build_prompt_source(cfg.data.model_copy(update={"source": src}), tokenizer,
-                                         require_answer=cfg.reward.mode != "rm_only", images=images,
+                                         require_answer=cfg.reward.needs_answer, images=images,
                                          tools=prompt_tools(cfg))
             sources.append(stream)
             counts.append(min(len(stream), cfg.eval.max_prompts or len(stream)))
