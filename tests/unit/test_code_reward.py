@@ -298,3 +298,8 @@ def test_an_agents_program_is_read_from_its_last_model_turn_only(pool):
     rows = [{"prompt": row["prompt"], "prompt_id": i, "metadata": {"tests": DOUBLE}} for i in (0, 1)]
     assert reward.score(rows, [o.result for o in outs], [o.mask for o in outs]) == [1.0, 0.0]
     assert reward.take_stats()["code_parse_failures"] == 1
+
+
+def test_a_pool_where_no_program_can_run_is_refused_naming_the_setting():
+    with pytest.raises(SandboxError, match=r"agent.sandbox.python='/nonexistent/python3' is not an executable"):
+        CodeRunPool(AgentConfig(sandbox=SandboxConfig(python="/nonexistent/python3")))

@@ -53,7 +53,8 @@ class CodeRunPool:
 
     def __init__(self, cfg: AgentConfig) -> None:
         limits = cfg.sandbox.model_copy(update={"output_chars": max(cfg.sandbox.output_chars, CODE_OUTPUT_CHARS)})
-        self.sandbox = PythonSandbox(limits)  # probes: refused here as the python tool is, naming the setting
+        # probes: refused here as the python tool is, naming the setting
+        self.sandbox = PythonSandbox(limits, user="the code reward term's tests")
         self._pool = futures.ThreadPoolExecutor(cfg.tool_workers, thread_name_prefix="code")
 
     def run_code(self, sources: Sequence[str]) -> list[SandboxRun]:
