@@ -42,7 +42,7 @@ test: install
 	bash tools/run-tests.sh $(PYTEST_ARGS)
 
 test-faults: install
-	YATT_FULL_FAULT_MATRIX=1 $(PY) -m pytest tests/mpi/test_faults.py tests/mpi/test_engine_signals.py tests/mpi/test_exact_resume.py tests/mpi/test_stop_grace.py tests/mpi/test_recipes_run.py tests/mpi/test_sharded_optimizer.py tests/mpi/test_pipeline.py tests/mpi/test_async_run.py tests/mpi/test_agent_run.py tests/mpi/test_tool_calls.py tests/mpi/test_trackers_run.py tests/mpi/test_critic_layouts.py tests/mpi/test_critic_run.py tests/mpi/test_moe.py tests/mpi/test_moe_run.py tests/mpi/test_demo_moe_run.py tests/slurm -q $(PYTEST_ARGS)
+	YATT_FULL_FAULT_MATRIX=1 $(PY) -m pytest tests/mpi/test_faults.py tests/mpi/test_engine_signals.py tests/mpi/test_exact_resume.py tests/mpi/test_stop_grace.py tests/mpi/test_recipes_run.py tests/mpi/test_sharded_optimizer.py tests/mpi/test_pipeline.py tests/mpi/test_async_run.py tests/mpi/test_agent_run.py tests/mpi/test_tool_calls.py tests/mpi/test_code_reward_run.py tests/mpi/test_trackers_run.py tests/mpi/test_critic_layouts.py tests/mpi/test_critic_run.py tests/mpi/test_moe.py tests/mpi/test_moe_run.py tests/mpi/test_demo_moe_run.py tests/slurm -q $(PYTEST_ARGS)
 
 test-unit: install
 	$(PY) -m pytest tests/unit tests/golden -q $(PYTEST_ARGS)

@@ -75,6 +75,7 @@ class SampleBatch:
     # no loss, ratio, KL or entropy there; docs/agentic.md); all ones when a batch is built without it
     response_mask: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
     env_reward: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # agent.environment's, summed
+    code_reward: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))  # the code term's, rollout-side
     # the experts the engine's routers chose for each token it fed (train.moe_routing_replay): [prompt_len +
     # response_len, MoE layers, top k] flat, -1 where it routed nothing (the last response token); length 0 unrecorded
     routed_experts_len: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
@@ -243,9 +244,10 @@ def batch_columns(batch: SampleBatch) -> dict[str, np.ndarray]:
 
 def batch_from_columns(columns: dict[str, np.ndarray]) -> SampleBatch:
     """A batch from `batch_columns`' arrays (each column's dtype as the batch defines it). A checkpoint written
-    before the routing columns existed has none: its samples carry no recorded routing."""
+    before the routing columns or `code_reward` existed has none: its samples carry no recorded routing, and
+    code rewards of 0 (no code term scored them)."""
     return SampleBatch(**{name: np.asarray(columns[name]) for name in COLUMNS
-                          if name in columns or name not in ("routed_experts", "routed_experts_len")})
+                          if name in columns or name not in ("routed_experts", "routed_experts_len", "code_reward")})
 
 
 def image_columns(images: list[list[bytes]], n: int) -> dict[str, np.ndarray]:

@@ -2,7 +2,7 @@
 
     agent = build_rollout_agent(cfg)                   # None without tools or an environment
     results, extra = agent.generate(engine, prompts, requests, cancelled)   # {sample_id: GenerationResult}, ...
-    batch.select(rows, ..., **extra_columns(extra, sample_ids))            # + response_mask and env_reward
+    batch.select(rows, ..., **extra_columns(extra, sample_ids))            # + response_mask, env_reward (code_reward)
 
 Tool calls run in a thread pool on this rank (`agent.tool_workers`), or, with a tools group
 (`placement.tools`), on its ranks: `tools` is then the `tools_group.RemoteToolBox` the rollout controller built,
@@ -50,13 +50,17 @@ class RolloutAgent:
 
 
 def extra_columns(extra: dict | None, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
-    """`SampleBatch.select`'s given columns for an agent's samples (none for a single-turn rollout)."""
-    if not extra:
-        return {}
+    """`SampleBatch.select`'s given columns: an agent's masks and environment rewards, a code term's scores (none
+    for a single-turn rollout without a code term)."""
     ids = [int(s) for s in sample_ids]
-    masks = [extra["masks"][s] for s in ids]
-    return {"response_mask": np.concatenate(masks).astype(np.uint8) if masks else np.zeros(0, np.uint8),
-            "env_reward": np.array([extra["env_reward"][s] for s in ids], np.float32)}
+    out = {}
+    if extra and "masks" in extra:
+        masks = [extra["masks"][s] for s in ids]
+        out["response_mask"] = np.concatenate(masks).astype(np.uint8) if masks else np.zeros(0, np.uint8)
+        out["env_reward"] = np.array([extra["env_reward"][s] for s in ids], np.float32)
+    if extra and "code_reward" in extra:
+        out["code_reward"] = np.array([extra["code_reward"][s] for s in ids], np.float32)
+    return out
 
 
 def build_rollout_agent(cfg, tools=None) -> RolloutAgent | None:

@@ -59,7 +59,8 @@ class PythonSandbox:
     parameters = {"type": "object", "properties": {"code": {"type": "string", "description": "the program"}},
                   "required": ["code"]}
 
-    def __init__(self, cfg: SandboxConfig) -> None:
+    def __init__(self, cfg: SandboxConfig, user: str = "the Python tool") -> None:
+        """`user`: who runs programs here, as a refusal names it."""
         self.cfg = cfg
         self.isolate = True
         if not os.access(cfg.python, os.X_OK):
@@ -70,8 +71,8 @@ class PythonSandbox:
         why = probe.stderr.read().decode(errors="replace").strip() if probe.stderr else ""
         if not ok:
             if not cfg.allow_network:
-                raise SandboxError(f"the Python tool cannot make a network namespace on this rank ({why or 'no reason'}); "
-                                   "run the rollout ranks where unshare(CLONE_NEWNET) is allowed (as root, or with "
+                raise SandboxError(f"{user} cannot make a network namespace on this rank ({why or 'no reason'}); "
+                                   "run these ranks where unshare(CLONE_NEWNET) is allowed (as root, or with "
                                    "unprivileged user namespaces), or set agent.sandbox.allow_network=true")
             self.isolate = False  # limits and a private directory only; the config allows the network
 

@@ -5,6 +5,7 @@
     box.end_wave()                            # before the wave's gate: every tool rank may stop serving it
 
     ctl = ToolsController(world, cfg, stats, protocol)       # a rank of the tools group (runtime/worker.py)
+    runs = box.run_code(sources)              # as CodeRunPool.run_code: one SandboxRun per program, in order
     ctl.step(step)                            # serve calls until every rollout rank ended the wave
 
 Test: .venv/bin/python -m pytest tests/unit/test_tools_group.py tests/mpi/test_tool_calls.py
@@ -16,6 +17,10 @@ rank takes every request that is waiting, runs all their calls in one `ToolBox.r
 threads, its sandboxes, its timeouts), and answers each request with the outcomes of its calls (TAG_TOOL_RESULTS).
 The rollout rank's `AgentLoop` reads the outcomes as it reads its own pool's: the same `ToolBox` code makes the
 same text, status and cut, so with deterministic tools a run with a tools group is bitwise the run without one.
+
+A `code` reward term's test programs (agent/code_runs.py) go the same way as a request of their own kind
+(TAG_CODE_RUNS, a JSON list of sources, answered by TAG_CODE_RESULTS with each program's `SandboxRun`): a tool
+rank runs them in its `CodeRunPool` (the same sandbox and limits), so a rollout rank never runs the model's code.
 
 The wave's messages, in order: rollout -> tools TAG_TOOL_CALLS, tools -> rollout TAG_TOOL_RESULTS (any number,
 one answer per request), then once per wave rollout -> every tool rank TAG_TOOLS_DONE, sent before the rollout
@@ -33,10 +38,14 @@ from collections.abc import Sequence
 import numpy as np
 from mpi4py import MPI
 
+from yatt_hpc.agent.code_runs import CodeRunPool
+from yatt_hpc.agent.sandbox import SandboxRun
 from yatt_hpc.agent.tools import ToolCall, ToolOutcome, build_toolbox
 from yatt_hpc.ckpt import RngOnlyState
 from yatt_hpc.comm.doorbell import DOORBELL
 from yatt_hpc.comm.transport import (
+    TAG_CODE_RESULTS,
+    TAG_CODE_RUNS,
     TAG_TOOL_CALLS,
     TAG_TOOL_RESULTS,
     TAG_TOOLS_DONE,
@@ -46,6 +55,7 @@ from yatt_hpc.comm.transport import (
     wait_for_any,
     wait_for_message,
 )
+from yatt_hpc.config.agent import code_term
 
 log = logging.getLogger(__name__)
 MAX_BATCHED = 64  # requests a tool rank takes into one pool run (the rest wait for the next)
@@ -67,6 +77,14 @@ def encode_outcomes(outcomes: Sequence[ToolOutcome]) -> bytes:
 
 def decode_outcomes(data: bytes) -> list[ToolOutcome]:
     return [ToolOutcome(name, content, status, float(seconds)) for name, content, status, seconds in json.loads(data)]
+
+
+def encode_runs(runs: Sequence[SandboxRun]) -> bytes:
+    return json.dumps([[r.output, r.status, r.exit_code, r.seconds] for r in runs]).encode()
+
+
+def decode_runs(data: bytes) -> list[SandboxRun]:
+    return [SandboxRun(output, status, int(code), float(seconds)) for output, status, code, seconds in json.loads(data)]
 
 
 def send_bytes(comm, dest: int, tag: int, data: bytes):
@@ -116,18 +134,26 @@ class RemoteToolBox:
         self.turns = 0
 
     def run(self, calls: Sequence[ToolCall | str]) -> list[ToolOutcome]:
-        if not calls:
+        return self._request(calls, encode_calls, decode_outcomes, TAG_TOOL_CALLS, TAG_TOOL_RESULTS)
+
+    def run_code(self, sources: Sequence[str]) -> list[SandboxRun]:
+        """A code reward's test programs, run by the tool ranks' `CodeRunPool`s."""
+        return self._request(sources, lambda part: json.dumps(list(part)).encode(), decode_runs, TAG_CODE_RUNS,
+                             TAG_CODE_RESULTS)
+
+    def _request(self, items: Sequence, encode, decode, tag: int, answer_tag: int) -> list:
+        """`items` cut into slices over the tool ranks, each sent as one request; their answers, in order."""
+        if not items:
             return []
-        slices = call_slices(len(calls), len(self.tool_ranks), self.me + self.turns)
+        slices = call_slices(len(items), len(self.tool_ranks), self.me + self.turns)
         self.turns += 1
-        sends = [send_bytes(self.comm, self.tool_ranks[k], TAG_TOOL_CALLS, encode_calls(calls[a:b]))
-                 for k, a, b in slices]
+        sends = [send_bytes(self.comm, self.tool_ranks[k], tag, encode(items[a:b])) for k, a, b in slices]
         for k, _, _ in slices:
             DOORBELL.ring(self.comm, self.tool_ranks[k])
-        out: list[ToolOutcome] = []
+        out: list = []
         for k, a, b in slices:  # a tool rank answers one rollout rank's requests in the order they came
-            data, _ = recv_bytes(self.comm, self.tool_ranks[k], TAG_TOOL_RESULTS)
-            got = decode_outcomes(data)
+            data, _ = recv_bytes(self.comm, self.tool_ranks[k], answer_tag)
+            got = decode(data)
             assert len(got) == b - a, (len(got), a, b)
             out += got
         wait_all([req for req, _ in sends])
@@ -151,10 +177,12 @@ class ToolsController(RngOnlyState):
     def __init__(self, world, cfg, stats, protocol) -> None:
         self.world, self.cfg, self.stats, self.protocol = world, cfg, stats, protocol
         self.toolbox = build_toolbox(cfg.agent)  # imports the tools, probes the sandbox: here, never on a rollout rank
+        self.code_pool = CodeRunPool(cfg.agent) if code_term(cfg) is not None else None  # the code term's tests
         rollout = world.plan.group("rollout")
         self.clients = range(rollout.rank_start, rollout.rank_stop)
-        log.info("tools rank serves rollout ranks %d-%d with %s (%d workers)", self.clients.start,
-                 self.clients.stop - 1, ", ".join(self.toolbox.tools), cfg.agent.tool_workers)
+        log.info("tools rank serves rollout ranks %d-%d with %s%s (%d workers)", self.clients.start,
+                 self.clients.stop - 1, ", ".join(self.toolbox.tools) or "no tools",
+                 " and the code reward's tests" if self.code_pool else "", cfg.agent.tool_workers)
 
     @property
     def identity(self) -> str:
@@ -174,16 +202,38 @@ class ToolsController(RngOnlyState):
         return False  # the tools group never asks for another wave
 
     def serve(self) -> None:
-        """Run calls until every rollout rank ended the wave."""
+        """Run calls and test programs until every rollout rank ended the wave."""
         done: set[int] = set()
         while len(done) < len(self.clients):
-            if wait_for_any(self.world.comm, [TAG_TOOL_CALLS, TAG_TOOLS_DONE]) == TAG_TOOLS_DONE:
+            tag = wait_for_any(self.world.comm, [TAG_TOOL_CALLS, TAG_CODE_RUNS, TAG_TOOLS_DONE])
+            if tag == TAG_TOOLS_DONE:
                 done.add(recv_ints(self.world.comm, MPI.ANY_SOURCE, TAG_TOOLS_DONE)[1])
                 continue
-            requests = [recv_bytes(self.world.comm, MPI.ANY_SOURCE, TAG_TOOL_CALLS)]
-            while len(requests) < MAX_BATCHED and self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_TOOL_CALLS):
-                requests.append(recv_bytes(self.world.comm, MPI.ANY_SOURCE, TAG_TOOL_CALLS))
-            self.answer(requests)
+            requests = [recv_bytes(self.world.comm, MPI.ANY_SOURCE, tag)]
+            while len(requests) < MAX_BATCHED and self.world.comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag):
+                requests.append(recv_bytes(self.world.comm, MPI.ANY_SOURCE, tag))
+            if tag == TAG_CODE_RUNS:
+                self.answer_code(requests)
+            else:
+                self.answer(requests)
+
+    def answer_code(self, requests: list[tuple[bytes, int]]) -> None:
+        """All waiting requests' test programs in one pool run; each request gets its runs back."""
+        assert self.code_pool is not None, "test programs came, and this run has no code reward term"
+        parts = [json.loads(data) for data, _ in requests]
+        with self.stats.phase("tools"):
+            runs = self.code_pool.run_code([s for part in parts for s in part])
+        self.stats.add("tools_served_code_runs", len(runs))
+        self._reply(requests, [len(p) for p in parts], runs, encode_runs, TAG_CODE_RESULTS)
+
+    def _reply(self, requests: list[tuple[bytes, int]], sizes: list[int], results: list, encode, tag: int) -> None:
+        start, sends = 0, []
+        for size, (_, source) in zip(sizes, requests):
+            sends.append(send_bytes(self.world.comm, source, tag, encode(results[start:start + size])))
+            start += size
+        for _, source in requests:
+            DOORBELL.ring(self.world.comm, source)
+        wait_all([req for req, _ in sends])
 
     def answer(self, requests: list[tuple[bytes, int]]) -> None:
         """All waiting requests' calls in one pool run; each request gets its outcomes back."""
@@ -192,14 +242,7 @@ class ToolsController(RngOnlyState):
             outcomes = self.toolbox.run([c for part in calls for c in part])
         self.stats.add("tools_served_calls", len(outcomes))
         self.stats.add("tools_served_requests", len(requests))
-        start, sends = 0, []
-        for part, (_, source) in zip(calls, requests):
-            sends.append(send_bytes(self.world.comm, source, TAG_TOOL_RESULTS,
-                                    encode_outcomes(outcomes[start:start + len(part)])))
-            start += len(part)
-        for _, source in requests:
-            DOORBELL.ring(self.world.comm, source)
-        wait_all([req for req, _ in sends])
+        self._reply(requests, [len(c) for c in calls], outcomes, encode_outcomes, TAG_TOOL_RESULTS)
 
     # ------------------------------------------------------------------ the step loop's hooks (BaseController's)
 
@@ -217,3 +260,5 @@ class ToolsController(RngOnlyState):
 
     def close(self) -> None:
         self.toolbox.close()
+        if self.code_pool is not None:
+            self.code_pool.close()

@@ -49,6 +49,8 @@ TAG_WEIGHTS_DONE = 19  # rollout -> trainer: [tensors] an ipc weight bucket is c
 TAG_TOOL_CALLS = 20  # rollout -> tools: a turn's tool calls, JSON (agent/tools_group.py)
 TAG_TOOL_RESULTS = 21  # tools -> rollout: their outcomes, JSON, in the calls' order
 TAG_TOOLS_DONE = 22  # rollout -> every tool rank: [rollout group rank] no more calls in this wave
+TAG_CODE_RUNS = 23  # rollout -> tools: the code reward's test programs, JSON (agent/tools_group.py)
+TAG_CODE_RESULTS = 24  # tools -> rollout: their sandbox runs, JSON, in the programs' order
 
 
 def pack(batch: SampleBatch) -> np.ndarray:

@@ -103,7 +103,8 @@ class AgentConfig(Section):
     max_tool_output_chars: int = Field(2000, ge=16)
     """Characters of one tool result the model reads; the rest is cut and says so."""
     sandbox: SandboxConfig = SandboxConfig()
-    """The built-in Python tool's limits (only with a `builtin:python` tool)."""
+    """The limits of every program run in the sandbox: the built-in Python tool's calls and the `code` reward
+    term's tests (only with a `builtin:python` tool or a code term)."""
 
     @property
     def enabled(self) -> bool:
@@ -128,18 +129,45 @@ class AgentConfig(Section):
         if groups < 1:
             raise ValueError(f"agent.tool_call_pattern={self.tool_call_pattern!r} has no group; its first group must "
                              'capture the JSON object {"name": ..., "arguments": {...}}')
-        default = SandboxConfig()
-        if self.sandbox != default and not any(t.function == BUILTIN_PYTHON for t in self.tools):
-            raise ValueError(f"agent.sandbox is set but no agent.tools item is {BUILTIN_PYTHON}; add that tool or drop "
-                             "agent.sandbox")
         return self
 
 
 def check_agent_fits(cfg) -> None:
     """`RunConfig`'s check of an enabled `agent:` section (and of a tools group) against the other sections
     (ValueError naming the fix)."""
-    if (problem := agent_cross_problem(cfg) or tools_group_problem(cfg)) is not None:
+    if (problem := agent_cross_problem(cfg) or tools_group_problem(cfg) or sandbox_problem(cfg)
+            or code_reward_problem(cfg)) is not None:
         raise ValueError(problem)
+
+
+def code_term(cfg):
+    """The run's `code` reward term (`reward.terms` holds at most one), or None."""
+    return next((t for t in cfg.reward.effective_terms() if t.kind == "code"), None)
+
+
+def sandbox_problem(cfg) -> str | None:
+    """`agent.sandbox` set where nothing runs a program, or None."""
+    if cfg.agent.sandbox != SandboxConfig() and not any(t.function == BUILTIN_PYTHON for t in cfg.agent.tools) \
+            and code_term(cfg) is None:
+        return (f"agent.sandbox is set but no agent.tools item is {BUILTIN_PYTHON} and no reward.terms item has kind "
+                "code; add that tool or a code term, or drop agent.sandbox")
+    return None
+
+
+def code_reward_problem(cfg) -> str | None:
+    """What a `code` reward term cannot run with, or None: its programs run on the rollout side after a chunk's
+    engine call, not inside one or between segments."""
+    term = code_term(cfg)
+    if term is None:
+        return None
+    where = f"reward.terms item {term.name!r} (kind code)"
+    if cfg.rollout.streaming != "chunks":
+        return (f"{where} with rollout.streaming={cfg.rollout.streaming}: the tests run after an engine call, and "
+                "streaming sends each group from inside the call; use rollout.streaming=chunks")
+    if cfg.rollout.partial_rollouts:
+        return (f"{where} with rollout.partial_rollouts=true: a paused response's program is not finished; set "
+                "rollout.partial_rollouts=false")
+    return None
 
 
 def tools_group_problem(cfg) -> str | None:
@@ -148,9 +176,10 @@ def tools_group_problem(cfg) -> str | None:
     if not pt.enabled:
         return None
     f = f"placement.tools.tasks_per_node={pt.tasks_per_node}"
-    if not cfg.agent.tools:
-        return (f"{f} makes a tools group, but agent.tools is empty: the group runs the agent's tool calls and "
-                "there are none; add agent.tools or set placement.tools.tasks_per_node=0")
+    if not cfg.agent.tools and code_term(cfg) is None:
+        return (f"{f} makes a tools group, but agent.tools is empty and no reward.terms item has kind code: the "
+                "group runs the agent's tool calls and the code reward's tests, and there are none; add agent.tools "
+                "or a code term, or set placement.tools.tasks_per_node=0")
     if cfg.placement.dynamic_split.enabled:
         return (f"{f} with placement.dynamic_split.enabled: a dynamic split changes which pool ranks generate every "
                 "step, and the tools group serves a fixed set of rollout ranks; set placement.dynamic_split.enabled="

@@ -18,11 +18,13 @@ class RewardTerm(Section):
 
     name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")
     """The term's name (letters, digits, `_`), unique in `reward.terms`; its metric is `reward/<name>/mean`."""
-    kind: Literal["exact", "math", "format", "function", "genrm", "environment"]
+    kind: Literal["exact", "math", "format", "function", "genrm", "environment", "code"]
     """`exact` (response == reference after stripping), `math` (final answer equivalent to the reference, by
     math-verify), `format` (`pattern` found in the response), `function` (user code), `genrm` (the judge),
-    `environment` (the rewards `agent.environment` gave the trajectory, summed). With `agent:` tools the terms
-    read a response's last model turn (its answer), not the tool turns before it."""
+    `environment` (the rewards `agent.environment` gave the trajectory, summed), `code` (the fraction of the row's
+    `tests` the answer's last ```python block passes, run in the sandbox on the tools group or the rollout rank;
+    docs/agentic.md). With `agent:` tools the terms read a response's last model turn (its answer), not the tool
+    turns before it."""
     weight: float = 1.0
     """The term's weight: the reward is the sum of weight x term (no clipping; a negative weight is a penalty)."""
     pattern: str | None = None
@@ -34,12 +36,15 @@ class RewardTerm(Section):
     batched: bool = False
     """`function` only: call `fn(prompts, responses, answers, metadata)` with lists once per scored batch;
     it returns a list of floats, one per row."""
+    all_or_nothing: bool = False
+    """`code` only: score 1 when every test passes, else 0 (false: the fraction of tests passed)."""
 
     @model_validator(mode="after")
     def _fields_of_the_kind(self) -> RewardTerm:
         where = f"reward.terms item {self.name!r} (kind {self.kind})"
-        given = {"pattern": self.pattern is not None, "function": self.function is not None, "batched": self.batched}
-        owner = {"pattern": "format", "function": "function", "batched": "function"}
+        given = {"pattern": self.pattern is not None, "function": self.function is not None, "batched": self.batched,
+                 "all_or_nothing": self.all_or_nothing}
+        owner = {"pattern": "format", "function": "function", "batched": "function", "all_or_nothing": "code"}
         for key, is_set in given.items():
             if is_set and owner[key] != self.kind:
                 raise ValueError(f"{where} sets {key}, which only a {owner[key]} term reads; remove {key} or use "
@@ -87,10 +92,12 @@ class RewardConfig(Section):
     terms: list[RewardTerm] | None = None
     """The reward as weighted terms, summed, e.g. `[{name: acc, kind: math}, {name: fmt, kind: format, pattern:
     "</think>", weight: 0.1}, {name: mine, kind: function, function: "pkg.mod:fn", weight: 0.5, batched: false},
-    {name: judge, kind: genrm, weight: 0.5}]` (keys: name, kind, weight, pattern, function, batched). A
-    function gets metadata {sample_id, prompt_id, owner, response_tokens, finish}; one that raises stops the
-    run naming the row. At most one genrm term. `rule_score` (reward/accuracy, the judge agreement) is the
-    first exact, math or function term, else the exact verifier as a metric only. null: the `mode` shorthand,
+    {name: judge, kind: genrm, weight: 0.5}, {name: tests, kind: code, all_or_nothing: false}]` (keys: name, kind,
+    weight, pattern, function, batched, all_or_nothing). A function gets metadata {sample_id, prompt_id, owner,
+    response_tokens, finish}; one that raises stops the run naming the row. A code term runs the answer's last
+    ```python block on the row's `tests` in the sandbox, on the tools group or the rollout ranks (docs/agentic.md).
+    At most one genrm term and one code term. `rule_score` (reward/accuracy, the judge agreement) is the first
+    exact, math, function or code term, else the exact verifier as a metric only. null: the `mode` shorthand,
     terms `genrm` (weight alpha) and `rule` (kind exact, weight beta)."""
     parse_fail_score: float = Field(0.0, ge=0, le=1)
     """Score given when the judge's verdict cannot be parsed (counted as reward/genrm_parse_fail)."""
@@ -189,6 +196,10 @@ class RewardConfig(Section):
         if len(judges) > 1:
             raise ValueError(f"reward.terms has {len(judges)} genrm terms ({', '.join(judges)}); there is one judge, "
                              "so keep one genrm term")
+        codes = [t.name for t in terms if t.kind == "code"]
+        if len(codes) > 1:
+            raise ValueError(f"reward.terms has {len(codes)} code terms ({', '.join(codes)}); the rollout ranks run "
+                             "the tests once per response, so keep one code term")
         for name in ("alpha", "beta"):
             if self._changed(name):
                 raise ValueError(f"reward.{name}={getattr(self, name):g} is a weight of the reward.mode shorthand, not "
@@ -203,6 +214,12 @@ class RewardConfig(Section):
     def _changed(self, name: str) -> bool:
         """Whether a field holds other than its default (a default value has no effect to refuse)."""
         return getattr(self, name) != type(self).model_fields[name].default
+
+    @property
+    def needs_answer(self) -> bool:
+        """Whether every row must carry `data.answer_key`: a term other than genrm, code and format reads the
+        reference (rows without one get an empty answer otherwise)."""
+        return any(t.kind not in ("genrm", "code", "format") for t in self.effective_terms())
 
     def effective_terms(self) -> tuple[RewardTerm, ...]:
         """The terms that make the reward: `terms`, or those the `mode` shorthand stands for."""

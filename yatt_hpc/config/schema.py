@@ -71,8 +71,9 @@ class DataConfig(Section):
     """Column holding a chat row's messages, a list of `{role, content}` ending with the user's turn (chat format
     only; a row without it uses data.prompt_key)."""
     answer_key: str = "answer"
-    """Column holding the reference answer the rule verifier checks; required in every row unless
-    reward.mode=rm_only, where rows without it get an empty answer."""
+    """Column holding the reference answer the rule verifier checks; required in every row unless every reward
+    term is of kind genrm, code or format (reward.mode=rm_only, a code term's tests), where rows without it get
+    an empty answer."""
     system_prompt: str | None = None
     """Chat format: a system message put first in every row that does not begin with its own."""
     chat_template: str | None = None

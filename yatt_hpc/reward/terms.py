@@ -12,9 +12,12 @@ Kinds (a term is any object with `name`, `kind`, `weight`, `pattern`, `function`
     format    verifier.format_score: the regex `pattern` is found in the response
     function  function.FunctionTerm: user code `pkg.mod:fn`, imported only because a term names it
     genrm     the judge's parsed verdict; an unparseable one counts as `parse_fail_score` (and in parse_fail)
+    environment  the rewards `agent.environment` gave the trajectory, summed (the rollout rank's `env_reward` column)
+    code      the fraction of the row's tests the answer's program passes: run by the rollout side
+              (agent/code_runs.py: on the tools group, or the rollout rank's sandbox), read from `code_reward`
 
 Besides the reward, the batch keeps the columns the rest of the system reads: `rule_score` is the first
-`exact`, `math` or `function` term (the correctness check: `reward/accuracy` and the judge agreement
+`exact`, `math`, `function` or `code` term (the correctness check: `reward/accuracy` and the judge agreement
 measure it), or the exact verifier as a metric only when no term is one; `genrm_score` is the judge's
 score (`parse_fail_score` without a judge).
 """
@@ -31,8 +34,8 @@ from yatt_hpc.reward.math_answer import math_score
 from yatt_hpc.reward.mixing import weighted_sum
 from yatt_hpc.reward.verifier import format_score, rule_score
 
-TERM_KINDS = ("exact", "math", "format", "function", "genrm", "environment")
-RULE_KINDS = ("exact", "math", "function")  # rule_score is the first term of these kinds
+TERM_KINDS = ("exact", "math", "format", "function", "genrm", "environment", "code")
+RULE_KINDS = ("exact", "math", "function", "code")  # rule_score is the first term of these kinds
 
 
 @dataclass
@@ -47,6 +50,8 @@ class ScoringRows:
     """Each sample's row images (encoded), for a judge that is a vision-language model; None: no images."""
     env_rewards: list[float] | None = None
     """Each sample's summed `agent.environment` rewards (the `environment` term); None: zeros."""
+    code_rewards: list[float] | None = None
+    """Each sample's `code` term: the share of its tests its program passed, scored on the rollout side."""
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -116,4 +121,8 @@ class RewardTerms:
             return self._functions[term.name](rows.prompts, rows.responses, rows.answers, rows.metadata)
         if term.kind == "environment":
             return list(rows.env_rewards) if rows.env_rewards is not None else [0.0] * len(rows.responses)
+        if term.kind == "code":
+            if rows.code_rewards is None:
+                raise ValueError(f"reward term {term.name!r} (kind code) needs the rollout side's code_reward column")
+            return list(rows.code_rewards)
         raise ValueError(f"unknown reward term kind {term.kind!r}; valid kinds: {', '.join(TERM_KINDS)}")

@@ -186,7 +186,7 @@ class GenRMController(PartialScoring, BaseController):
 
     def score(self, batch: SampleBatch) -> SampleBatch:
         """Reward = sum of weight x term (`reward.terms`, or the `reward.mode` shorthand); rule_score is the first
-        exact/math/function term (else the exact verifier, a metric only), genrm_score the judge's score."""
+        exact/math/function/code term (else the exact verifier, a metric only), genrm_score the judge's score."""
         tok = self.policy_tokenizer
         # the user's question as the row gave it (not the chat-templated prompt); decoded tokens if a batch has none
         questions = [q or tok.decode(p.tolist()) for q, p in zip(batch.questions(), batch.ragged("prompt_tokens"))]
@@ -197,7 +197,7 @@ class GenRMController(PartialScoring, BaseController):
                                                                           batch.response_len, batch.finish,
                                                                           extra=batch.metadatas()),
                            images=[groups.get(int(p), ()) for p in batch.prompt_id] if groups else None,
-                           env_rewards=batch.env_reward.tolist())
+                           env_rewards=batch.env_reward.tolist(), code_rewards=batch.code_reward.tolist())
         got = self.terms.score(rows)
         batch.rule_score, batch.genrm_score, batch.parse_fail, batch.reward = \
             got.rule_score, got.genrm_score, got.parse_fail, got.reward

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import numpy as np
 from mpi4py import MPI
 
+from yatt_hpc.agent.code_runs import build_code_reward
 from yatt_hpc.agent.rollout_side import build_rollout_agent, extra_columns
 from yatt_hpc.batch import SampleBatch
 from yatt_hpc.comm.prompt_routing import expected_prompt_messages
@@ -72,6 +73,9 @@ class RolloutController(PartialSegments, BaseController):
             self.remote_tools = RemoteToolBox(world.comm, world.plan.tool_ranks, world.group_rank)
         # multi-turn rollouts with tools (agent:), else None
         self.agent = build_rollout_agent(cfg, tools=self.remote_tools)
+        # a `code` reward term's tests (agent/code_runs.py): run on the tools group, else in this rank's sandbox
+        self.code = build_code_reward(cfg, remote=self.remote_tools,
+                                      tokenizer=self.agent.loop.tokenizer if self.agent is not None else None)
         if self.colocate:
             self.engine.release_memory()  # the trainer builds first; the engine wakes for its phase
         self.stops = StopWatch(world.comm, self.engine)  # over-dispatch STOPs, whichever way it generates
@@ -251,12 +255,27 @@ class RolloutController(PartialSegments, BaseController):
                 for sid, pid, p in zip(prompts.sample_id, prompts.prompt_id, prompts.ragged("prompt_tokens"))]
 
     def generate(self, prompts: SampleBatch, cancelled: Callable[[], bool] = lambda: False) -> SampleBatch:
+        extra = None
         if self.agent is not None:  # model and tool turns until an answer (agent/loop.py); `cancelled`: all stopped
             results, extra = self.agent.generate(self.engine, prompts, self.requests(prompts), cancelled)
             for key, value in self.agent.take_stats().items():
                 self.stats.add(key, value)
-            return self.fill(prompts, results, extra=extra)
-        return self.fill(prompts, {r.sample_id: r for r in self.engine.generate(self.requests(prompts))})
+        else:
+            results = {r.sample_id: r for r in self.engine.generate(self.requests(prompts))}
+        if self.code is not None:  # the code term's tests, once each response is complete
+            extra = (extra or {}) | {"code_reward": self.score_code(prompts, results, extra)}
+        return self.fill(prompts, results, extra=extra)
+
+    def score_code(self, prompts: SampleBatch, results: dict[int, GenerationResult], extra: dict | None) -> dict:
+        """{sample_id: the code term's score} of the generated responses (the batch's `code_reward` column)."""
+        ids = [int(s) for s in prompts.sample_id]
+        rows = [{"prompt": q, "prompt_id": int(p), "metadata": m}
+                for q, p, m in zip(prompts.questions(), prompts.prompt_id, prompts.metadatas())]
+        masks = [extra["masks"][s] for s in ids] if extra and "masks" in extra else [None] * len(ids)
+        scores = self.code.score(rows, [results[s] for s in ids], masks)
+        for key, value in self.code.take_stats().items():
+            self.stats.add(key, value)
+        return dict(zip(ids, scores))
 
     def fill(self, prompts: SampleBatch, results: dict[int, GenerationResult],
              rows: list[int] | None = None, extra: dict | None = None) -> SampleBatch:
@@ -286,6 +305,8 @@ class RolloutController(PartialSegments, BaseController):
     def close(self) -> None:
         if self.agent is not None:
             self.agent.close()
+        if self.code is not None:
+            self.code.close()
         self.engine.shutdown()
 
     # ------------------------------------------------------------------ checkpoint hooks

@@ -102,7 +102,7 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
         self.consumed = ConsumedLog(run_dir / "data" / f"consumed-dp{self.dp_rank}.jsonl", enabled=self.is_owner)
         self.tokenizer = load_tokenizer(cfg.model.path)
         images = ImageProcessor.from_model_dir(cfg.model.path) if is_vision_model(cfg.model.path) else None
-        self.source = build_prompt_source(cfg.data, self.tokenizer, require_answer=cfg.reward.mode != "rm_only",
+        self.source = build_prompt_source(cfg.data, self.tokenizer, require_answer=cfg.reward.needs_answer,
                                           images=images, tools=prompt_tools(cfg))
         addr, port = group_rendezvous(world)
         tp, self.pp = world.plan.group("trainer").size("tp"), world.plan.group("trainer").size("pp")

@@ -9,7 +9,7 @@ Each replica owns the held-out positions p = d, d + dp, ... of each source (the 
 of the source's order), exactly as it owns training positions: no driver holds the eval set. A
 prompt's id is EVAL_ID_BASE + (source index << 32) + p, apart from every training prompt id (and so are
 its samples' sampling seeds, the same at every validation: rounds compare the policy, not the dice).
-A sample is correct when its rule score is at least 0.5 (the first exact/math/function reward term,
+A sample is correct when its rule score is at least 0.5 (the first exact/math/function/code reward term,
 else the exact verifier). pass@k is the unbiased estimator (`yatt_hpc/algos/passk.py`) for k = 1, 2, 4, ...
 up to n and n; mean@n is the mean reward.
 """
@@ -50,7 +50,7 @@ class HeldOut:
         sources, counts = [], []
         for src in cfg.eval.sources:
             stream = build_prompt_source(cfg.data.model_copy(update={"source": src}), tokenizer,
-                                         require_answer=cfg.reward.mode != "rm_only", images=images,
+                                         require_answer=cfg.reward.needs_answer, images=images,
                                          tools=prompt_tools(cfg))
             sources.append(stream)
             counts.append(min(len(stream), cfg.eval.max_prompts or len(stream)))

@@ -85,6 +85,7 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
     }
     out.update(_term_means(reports))
     out.update(_agent(reports))
+    out.update(_code(reports))
     for group in GROUPS:
         members = [r for r in reports if r["group"] == group]
         if not members:  # the tools group, when there is none
@@ -164,6 +165,32 @@ def _agent(reports: list[dict]) -> dict[str, float]:
             "agent/masked_fraction": _sum(reports, "agent_masked_tokens", "rollout")
             / max(_sum(reports, "agent_response_tokens", "rollout"), 1.0),
             "agent/env_errors": _sum(reports, "agent_env_errors", "rollout")}
+
+
+def _code(reports: list[dict]) -> dict[str, float]:
+    """`code/...` (a `code` reward term; absent without one): responses scored, the share of their tests passed
+    and of responses passing all, test runs that timed out or failed to run cleanly, answers without a ```python
+    block, rows with missing or malformed tests, the mean seconds of a test run, and where the runs ran (the
+    rollout ranks' own sandbox, or the tools group, whose ranks count what they served)."""
+    samples = _sum(reports, "code_samples", "rollout")
+    if not samples:
+        return {}
+    tests = _sum(reports, "code_tests", "rollout")
+    out = {"code/samples": samples,
+           "code/pass_rate": _sum(reports, "code_tests_passed", "rollout") / max(tests, 1.0),
+           "code/all_passed_rate": _sum(reports, "code_all_passed", "rollout") / samples,
+           "code/score_mean": _sum(reports, "code_score_sum", "rollout") / samples,
+           "code/test_runs": tests,
+           "code/timeouts": _sum(reports, "code_timeouts", "rollout"),
+           "code/run_errors": _sum(reports, "code_run_errors", "rollout"),
+           "code/parse_failures": _sum(reports, "code_parse_failures", "rollout"),
+           "code/bad_tests": _sum(reports, "code_bad_tests", "rollout"),
+           "code/run_latency_mean_s": _sum(reports, "code_run_seconds", "rollout") / max(tests, 1.0),
+           "code/runs_on_rollout_ranks": _sum(reports, "code_runs_local", "rollout")}
+    if any(r["group"] == "tools" for r in reports):
+        out |= {"code/runs_on_tools_group": _sum(reports, "tools_served_code_runs", "tools"),
+                "time/tools": _max_time(reports, "tools", "tools")}
+    return out
 
 
 def _partial(reports: list[dict]) -> dict[str, float]:
