@@ -85,7 +85,17 @@ def test_a_pair_brings_the_engines_tensor_parallel_ranks():
 
 @pytest.mark.parametrize("name", CPU_CONFIGS)
 def test_collective_on_cpu_is_gloo_for_every_engine(name):
-    assert set(transports(name, "rollout.weight_transport=collective").values()) == {"collective"}
+    # the MoE demo's ep 2 has two senders per engine (refused with collective): its experts at ep 1 here
+    ep1 = ("placement.trainer.ep=1",) if name == "demo_moe_cpu" else ()
+    assert set(transports(name, "rollout.weight_transport=collective", *ep1).values()) == {"collective"}
+
+
+def test_an_expert_parallel_trainer_sends_over_mpi_and_refuses_collective():
+    """Each expert-parallel rank sends its own experts (`Routes.weight_senders`): one sender per pair's group cannot."""
+    assert set(transports("demo_moe_cpu").values()) == {"mpi"}  # ep 2: auto takes mpi
+    with pytest.raises(PlanError, match=r"placement.trainer.pp=1 ep=2: each pipeline stage's owner \(and each "
+                                        r"expert-parallel rank\) sends its own"):
+        transports("demo_moe_cpu", "rollout.weight_transport=collective")
 
 
 @pytest.mark.parametrize("name", CPU_CONFIGS + ["demo_1gpu", "colocate_gpu", "partial_gpu", "qwen2_7b_disjoint_1024gpu",
