@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from yatt_hpc.algos.off_policy import importance_weights
-from yatt_hpc.config.off_policy import OffPolicyConfig
+from yatt_hpc.config.train import OffPolicyConfig
 
 BEHAVIOR = [np.array([-1.0, -2.0, -0.5], np.float32), np.array([-0.3, -0.7], np.float32)]
 PROXIMAL = [BEHAVIOR[0] + np.log([3.0, 1.0, 0.25]), BEHAVIOR[1] + np.log([1.5, 1.5])]
