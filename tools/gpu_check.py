@@ -20,6 +20,9 @@ ranks on one device, full colocation), so every engine runs inside the MPI world
   moe-demo       the demo loop with the mixture-of-experts policy (models/demo_moe): Megatron's MoE layers on CUDA
                  with the all-to-all token dispatcher, experts synced to the hf engine (logprob gap < 1e-4)
   recompute-budget  the demo loop with train.recompute=full and train.max_tokens_per_micro_batch on CUDA
+  moe-ep2        2 GPUs (SKIP with fewer): partial, the MoE demo with trainer dp2 and expert parallelism 2 (each GPU
+                 two of the four experts, tokens exchanged by the all-to-all dispatcher over NCCL; each rank's
+                 experts synced to the engines; logprob gap < 1e-4)
   sharded-optim  2 GPUs (SKIP with fewer): partial, trainer dp2 with train.shard_optimizer over NCCL
   pp-nccl        2 GPUs (SKIP with fewer): tests/programs/pp_update.py at pp1 and pp2 (NCCL point to point
                  between the stages): the stages' log-probs and gradients equal the one-stage model's
@@ -207,6 +210,10 @@ def main() -> int:
               "moe-demo": lambda: check_demo(out, "moe-demo", ["--set", "model.path=models/demo_moe/policy"], gap=1e-4),
               "recompute-budget": lambda: check_demo(out, "recompute-budget", [
                   "--set", "train.recompute=full", "--set", "train.max_tokens_per_micro_batch=256"], gap=1e-4),
+              "moe-ep2": lambda: check_demo(out, "moe-ep2", TWO_GPUS + [
+                  "--set", "placement.trainer.tp=1", "--set", "placement.trainer.ep=2",
+                  "--set", "model.path=models/demo_moe/policy"], gap=1e-4)
+              if _gpus() >= 2 else line("moe-ep2", "SKIP", f"needs 2 GPUs, this machine has {_gpus()}"),
               "sharded-optim": lambda: check_demo(out, "sharded-optim", TWO_GPUS + [  # trainer dp2 instead of tp2
                   "--set", "placement.trainer.tp=1", "--set", "train.shard_optimizer=true"], gap=1e-4)
               if _gpus() >= 2 else line("sharded-optim", "SKIP", f"needs 2 GPUs, this machine has {_gpus()}"),

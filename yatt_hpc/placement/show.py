@@ -80,7 +80,9 @@ def trainer_state_text(p: Plan, cfg: RunConfig) -> str:
                                            if dp > 1 else "")
     ref = f", reference {weights}P/{mp}" if cfg.train.kl_coef > 0 else ""
     grads = f"gradients {weights}P/{mp}" + (f" (fp32 for the update: 4P/{mp})" if bf16 else "")
-    return f"trainer rank state (bytes, P = parameters): weights {weights}P/{mp}, {grads}{ref}, {held}"
+    experts = (f"; a MoE model's routed experts 1/{g.ep} of each (placement.trainer.ep={g.ep}: each rank holds its "
+               "share)") if g.ep > 1 else ""
+    return f"trainer rank state (bytes, P = parameters): weights {weights}P/{mp}, {grads}{ref}, {held}{experts}"
 
 
 def critic_text(p: Plan, cfg: RunConfig) -> str | None:
