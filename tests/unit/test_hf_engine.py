@@ -316,6 +316,34 @@ def test_release_and_resume_memory_on_cpu(model_dir):
         np.testing.assert_array_equal(a.response_ids, b.response_ids)
 
 
+def test_dropped_weights_come_back_from_a_full_sync_and_serve_as_before(model_dir, other_model_dir):
+    """CPU colocation: `drop_weights` frees every parameter until the sync's buckets refill it; the refilled engine
+    serves exactly what an engine loaded with those weights serves, and nothing generates in between."""
+    named = list(AutoModelForCausalLM.from_pretrained(other_model_dir).named_parameters())
+    requests = _requests()
+    with (
+        build_engine("hf", model_dir, device="cpu", tp_size=1, seed=0) as engine,
+        build_engine("hf", other_model_dir, device="cpu", tp_size=1, seed=0) as reference,
+    ):
+        freed = engine.drop_weights()
+        assert freed == sum(p.numel() * p.element_size() for _, p in named)  # the tied head counted once
+        with pytest.raises(RuntimeError, match="after drop_weights"):
+            engine.generate(requests)
+        engine.update_weights(((n, p.detach()) for n, p in named[:3]), final=False)
+        engine.update_weights(((n, p.detach()) for n, p in named[3:]), final=True)
+        for got, want in zip(engine.generate(requests), reference.generate(requests)):
+            np.testing.assert_array_equal(got.response_ids, want.response_ids)
+            np.testing.assert_array_equal(got.logprobs, want.logprobs)
+
+
+def test_a_sync_that_leaves_a_dropped_weight_unsent_raises_naming_it(model_dir, other_model_dir):
+    named = list(AutoModelForCausalLM.from_pretrained(other_model_dir).named_parameters())
+    with build_engine("hf", model_dir, device="cpu", tp_size=1, seed=0) as engine:
+        engine.drop_weights()
+        with pytest.raises(RuntimeError, match=r"not sent: \['transformer\.ln_f\.bias'"):
+            engine.update_weights(((n, p.detach()) for n, p in named if n != "transformer.ln_f.bias"), final=True)
+
+
 def test_shutdown_engine_refuses_work(model_dir):
     engine = build_engine("hf", model_dir, device="cpu", tp_size=1, seed=0)
     engine.shutdown()

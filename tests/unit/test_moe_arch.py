@@ -87,6 +87,23 @@ def test_the_hf_engine_writes_experts_sent_one_by_one_into_its_fused_parameters(
         engine.update_weights([("model.layers.0.mlp.experts.1.up_proj.weight", torch.zeros(3, 3))], final=True)
 
 
+def test_fused_experts_given_back_must_all_come_back_before_the_final_bucket():
+    """`drop_weights` frees the fused expert parameters too: a sync refills them expert by expert, and one whose
+    experts did not all arrive is named at the final bucket."""
+    from yatt_hpc.rollout.hf_engine import HFEngine
+
+    target, source = tiny_moe(seed=0), tiny_moe(seed=1)
+    engine = HFEngine(target, device="cpu")
+    sent = list(unfuse_hf_experts(source.state_dict()).items())
+    engine.drop_weights()
+    engine.update_weights(sent[:len(sent) // 2], final=False)
+    engine.update_weights(sent[len(sent) // 2:], final=True)
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in source.state_dict().items())
+    engine.drop_weights()
+    with pytest.raises(RuntimeError, match=r"mlp\.experts\.gate_up_proj \(experts \['model\.layers\.1\.mlp\.experts\.3"):
+        engine.update_weights([(n, t) for n, t in sent if not n.startswith("model.layers.1.mlp.experts.3.")], final=True)
+
+
 def _report(values: dict, group: str = "trainer") -> dict:
     return {"group": group, "values": values, "times": {}, "peak_rss_mb": 0.0, "peak_held": 0}
 

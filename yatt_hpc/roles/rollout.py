@@ -78,6 +78,10 @@ class RolloutController(PartialSegments, BaseController):
                                       tokenizer=self.agent.loop.tokenizer if self.agent is not None else None)
         if self.colocate:
             self.engine.release_memory()  # the trainer builds first; the engine wakes for its phase
+        # CPU colocation, one weight version a step: between its last wave and the sync that replaces them, the hf
+        # engine's weights are freed (rollout/hf_weights.py drop_weights)
+        self.drop_before_sync = self.colocate and cfg.rollout.engine == "hf" and rank_device(world) == "cpu" \
+            and cfg.rollout.max_staleness == 0
         self.stops = StopWatch(world.comm, self.engine)  # over-dispatch STOPs, whichever way it generates
         # how this rank's weights arrive (placement/weight_transport.py); the same table as its owner's
         self.weight_transport = weight_pairs(world.plan, cfg.rollout.weight_transport, cfg.rollout.engine)[world.rank].transport
@@ -91,6 +95,9 @@ class RolloutController(PartialSegments, BaseController):
     def step(self, step: int) -> None:
         self.version = step
         self.generate_waves()
+        if self.drop_before_sync:  # CPU colocation: the trainer's phase gets this engine's weight memory
+            freed = self.engine.drop_weights()
+            log.debug("engine weights freed until the sync refills them: %.1f MB", freed / 2**20)
         self.receive_weights()
 
     def evaluate(self, step: int) -> None:

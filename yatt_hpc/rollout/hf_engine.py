@@ -147,6 +147,10 @@ class HFEngine(HFWeightUpdates, BaseEngine):
         self._mid_update = False
         self._released = False
         self._parking = HostParking()
+        # drop_weights (CPU colocation): parameter name -> shape while its memory is given back; fused expert
+        # parameters being refilled -> the expert names written so far (hf_weights.py)
+        self._dropped: dict[str, tuple[int, ...]] = {}
+        self._refilling: dict[str, set[str]] = {}
         self._lock = threading.Lock()
         self._in_flight = False
         self._abort = threading.Event()
@@ -181,6 +185,9 @@ class HFEngine(HFWeightUpdates, BaseEngine):
         a row at the decode step it finishes (the micro-batch goes on decoding the others), ``on_step``
         is called after every decode step."""
         self._check_ready()
+        if self._dropped:
+            raise RuntimeError(f"HFEngine.generate after drop_weights(): {len(self._dropped)} parameters wait for the "
+                               "weight sync that refills them")
         for request in requests:
             self._check_request(request)
         with self._lock:

@@ -1,6 +1,11 @@
 """How new weights reach the `hf` engine (a mixin of `HFEngine`): whole buckets by name, or a bucket
 broadcast over the pair's own process group (`device/weight_group.py`), checked against the model first.
 
+On CPU in colocation the engine may give its weights' memory back while the trainer trains (`drop_weights`,
+called by the rollout rank between its last wave and the weight sync that replaces them all): each dropped
+parameter is allocated again as its first bucket arrives, and the sync's final bucket must have refilled every
+one (a parameter left empty, or a fused expert parameter missing an expert, raises instead of generating).
+
 The engine provides `_model`, `_device`, `_state_shapes` (name -> shape), `_tied` (name -> the first name
 sharing its storage), `_vision` (None for a text model), `_groups` (joined pair groups by name),
 `_version`, `_mid_update` and `_check_alive()`.
@@ -30,7 +35,12 @@ class HFWeightUpdates:
         bucket = [(self._memory_name(name), tensor) for name, tensor in named_tensors]
         self._check_bucket(bucket)
         self._mid_update = True
+        if self._dropped:
+            self._refill([self._expert_slots[n][0] if n in self._expert_slots else n for n, _ in bucket])
         experts = [(name, tensor) for name, tensor in bucket if name in self._expert_slots]
+        for name, _ in experts:
+            if self._expert_slots[name][0] in self._refilling:
+                self._refilling[self._expert_slots[name][0]].add(name)
         if experts:
             fused = self._model.state_dict(keep_vars=True)
             with torch.no_grad():
@@ -40,8 +50,46 @@ class HFWeightUpdates:
             bucket = [(name, tensor) for name, tensor in bucket if name not in self._expert_slots]
         self._model.load_state_dict(dict(bucket), strict=False)
         if final:
+            self._check_refilled()
             self._version = self._version + 1 if version is None else int(version)
             self._mid_update = False
+
+    def drop_weights(self) -> int:
+        """CPU: free every parameter a full weight sync sends (all but a vision tower's, which the trainer sends only
+        when it trains it) until that sync refills it; the bytes freed. On a GPU, `release_memory` parks them."""
+        self._check_alive()
+        if self._device.type != "cpu":
+            return 0
+        freed = 0
+        for name, param in self._model.named_parameters():  # a tied parameter once, under its first name
+            if name in self._dropped or "visual." in name:
+                continue
+            self._dropped[name] = tuple(param.shape)
+            freed += param.numel() * param.element_size()
+            param.data = param.data.new_empty(0)
+        return freed
+
+    def _refill(self, names: list[str]) -> None:
+        """Allocate the dropped parameters these bucket names write (a fused expert parameter: its whole tensor,
+        whose experts must all arrive before the final bucket)."""
+        params = dict(self._model.named_parameters())
+        for name in names:
+            key = self._tied.get(name, name)
+            if key in self._dropped:
+                param = params[key]
+                param.data = torch.empty(self._dropped.pop(key), dtype=param.dtype, device=self._device)
+                if any(slot[0] == key for slot in self._expert_slots.values()):
+                    self._refilling[key] = set()
+
+    def _check_refilled(self) -> None:
+        missing = sorted(self._dropped)
+        for target, written in self._refilling.items():
+            want = {n for n, slot in self._expert_slots.items() if slot[0] == target}
+            missing += [f"{target} (experts {sorted(want - written)[:3]})"] if want - written else []
+        self._refilling = {}
+        if missing:
+            raise RuntimeError(f"weight sync ended with {len(missing)} parameter(s) the engine gave back for it not "
+                               f"sent: {missing[:5]}; their memory holds no weights")
 
     def join_weight_group(self, rendezvous: Rendezvous) -> None:
         """Join the pair's group as its one engine rank (Gloo on CPU, NCCL on this engine's GPU)."""

@@ -423,10 +423,10 @@ class MegatronPolicy(StageUpdate, OptimizerStep):
         """Give the device back for the other groups' phases: parameters (policy and reference) and
         optimizer state move to reused pinned host buffers (`yatt_hpc.device.offload`), gradients are dropped.
         The round trip is a copy, so a released-and-resumed policy trains bitwise like one that stayed.
-        CPU runtime: nothing to do."""
+        CPU runtime: the gradients are freed (each update zeroes them first), the rest stays."""
+        self._zero_grads()  # the next update starts from none anyway; on CPU this is all that is freed
         if self.device.type != "cuda":
             return
-        self.optimizer.zero_grad(set_to_none=True)
         self._parking.release((self.model, self.reference), self._adamw, self._master_list())
 
     def resume_memory(self) -> None:
