@@ -34,7 +34,7 @@ class ModelConfig(Section):
     path: str = "models/demo/policy"
     """Directory of the initial policy in Hugging Face layout (config.json + *.safetensors + tokenizer).
     Relative paths are resolved against the working directory of `yatt-hpc run`."""
-    arch: Literal["auto", "gpt2", "llama", "qwen2", "qwen3", "qwen3_moe"] = "auto"
+    arch: Literal["auto", "gpt2", "llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"] = "auto"
     """Architecture the Megatron <-> HF converter uses. `auto` takes `model_type` from config.json; a named
     arch is checked against config.json before launch and a mismatch refuses the run."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
