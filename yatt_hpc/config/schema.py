@@ -634,11 +634,6 @@ class RunConfig(Section):
     def _check_routing_replay(self) -> None:
         if not self.train.moe_routing_replay:
             return
-        if self.rollout.engine == "sglang":
-            raise ValueError("train.moe_routing_replay=true with rollout.engine=sglang: the SGLang engine here does not "
-                             "ask SGLang for its routed experts (its server flag enable_return_routed_experts and the "
-                             "request's return_routed_experts, meta_info['routed_experts']); use rollout.engine=hf or "
-                             "set train.moe_routing_replay=false")
         if self.agent.enabled:
             raise ValueError("train.moe_routing_replay=true with an agent: section: the tool turns' tokens are fed to "
                              "the engine as prompt text, whose routing is not recorded; drop the agent: section or "

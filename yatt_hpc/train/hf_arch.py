@@ -11,9 +11,9 @@ Maps: ``gpt2``; ``llama`` (GQA, Llama-3 ``llama3`` and ``linear`` RoPE scaling);
 Qwen2.5: fixed Q/K/V biases); ``qwen3`` (per-head q/k RMSNorm, ``head_dim`` independent of
 ``hidden_size``); ``qwen3_moe`` (Qwen3-MoE: Qwen3 attention, every layer a top-k mixture of SwiGLU experts, no shared
 expert); ``qwen2_moe`` (Qwen2-MoE / Qwen1.5-MoE: Qwen2 attention with its Q/K/V biases, every layer routed
-experts plus one shared SwiGLU expert scaled by a sigmoid gate); ``qwen2_vl`` (Qwen2-VL: its ``text_config`` is a Qwen2 language model with M-RoPE,
-``mrope_section`` (temporal, height, width) rotary channels; the HF vision tower rides along
-unconverted, see ``vision``). A setting the Megatron model would compute differently (sliding windows, other RoPE
+experts plus one shared SwiGLU expert scaled by a sigmoid gate); ``qwen2_vl`` (Qwen2-VL: its ``text_config`` is a
+Qwen2 language model with M-RoPE, ``mrope_section`` (temporal, height, width) rotary channels; the HF vision tower
+rides along unconverted, see ``vision``). A setting the Megatron model would compute differently (sliding windows, other RoPE
 types, other bias layouts, attention dropout) raises, naming the config.json field and its value.
 """
 from __future__ import annotations
