@@ -166,3 +166,47 @@ def test_update_weights_makes_the_engine_serve_the_new_model(engine, model_dir, 
     new_error = max(np.abs(r.logprobs - _teacher_forced_logprobs(new_reference, r)).max() for r in results)
     old_error = max(np.abs(r.logprobs - _teacher_forced_logprobs(old_reference, r)).max() for r in results)
     assert new_error <= LOGPROB_ATOL < old_error, (new_error, old_error)
+
+
+def _save_tiny_moe(path) -> str:
+    """A random Qwen3-MoE (4 experts, 2 per token, head_dim 64) whose routers prefer experts per token."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=1024,
+                            bos_token_id=1, eos_token_id=EOS, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def test_a_recording_engine_returns_the_experts_of_every_fed_token_as_transformers_routes_them(tmp_path):
+    """train.moe_routing_replay with SGLang (routing_record.routed_experts_from_sglang): each result's column holds
+    every prompt token's and every response token's experts but the last's (-1), and they are the experts
+    transformers' router picks for the same tokens (bf16 engine against an fp32 forward: most, not all)."""
+    path = _save_tiny_moe(tmp_path / "moe")
+    engine = build_engine("sglang", path, device="cuda", tp_size=1, seed=0, deterministic=True,
+                          mem_fraction_static=0.3, enable_memory_saver=False, record_routing=True)
+    try:
+        results = engine.generate(_requests(count=4, max_new_tokens=8))
+    finally:
+        engine.shutdown()
+    reference = _fp32_model(path)
+    alike = total = 0
+    for result in results:
+        routed = result.routed_experts
+        tokens = np.concatenate([result.prompt_ids, result.response_ids])
+        assert routed.shape == (len(tokens), 2, 2) and (routed[-1] == -1).all()
+        ids = torch.tensor(tokens[:-1], dtype=torch.long, device="cuda")[None]
+        with torch.no_grad():
+            logits = reference(input_ids=ids, output_router_logits=True).router_logits
+        for layer, layer_logits in enumerate(logits):
+            hf = np.sort(layer_logits.topk(2, dim=-1).indices.cpu().numpy(), axis=-1)
+            alike += int((np.sort(routed[:-1, layer], axis=-1) == hf).all(-1).sum())
+            total += len(hf)
+    assert alike / total > 0.9, (alike, total)

@@ -1,4 +1,4 @@
-"""One rank of the Qwen3-MoE converter check; started by tests/mpi/test_moe.py, never by pytest itself.
+"""One rank of the Qwen3-MoE and Qwen2-MoE converter check; started by tests/mpi/test_moe.py, never by pytest itself.
 
     mpirun --oversubscribe -np 2 .venv/bin/python tests/mpi/moe_worker.py OUT_DIR [CASE ...]   # ep2-norm1 ...
     .venv/bin/python tests/mpi/moe_worker.py export STEP_DIR HF_DIR     # an export-hf against its checkpoint
@@ -6,7 +6,8 @@
 Two ranks, three trainer layouts in turn: ep1 (tp1, dp2: every rank holds every expert), tp2 (each expert split
 over two tensor ranks) and ep2 (tp1, dp2, each rank two of the four experts; tokens reach the other rank's
 experts through Megatron's dispatcher). Each data-parallel rank feeds its own batch, as in training. Every rank
-writes ``OUT_DIR/rank-<r>.json`` with the measured differences against transformers' Qwen3MoeForCausalLM.
+writes ``OUT_DIR/rank-<r>.json`` with the measured differences against transformers' Qwen3MoeForCausalLM (cases
+``ep2-norm1`` ...) or Qwen2MoeForCausalLM, whose layers add a gated shared expert (cases ``qwen2moe-ep2-norm1`` ...).
 Also home of the tiny MoE factory the unit tests share.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoModelForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from tests.mpi.convert_tp2_worker import free_port, perturbed
 from yatt_hpc.models.hf_experts import unfuse_hf_experts
@@ -27,19 +28,27 @@ LAYOUTS = {"ep1": (1, 1), "tp2": (2, 1), "ep2": (1, 2)}  # name -> (tp, ep) on 2
 VOCAB = 64
 
 
-def tiny_moe_config(norm_topk_prob: bool = True, aux: float = 0.0) -> Qwen3MoeConfig:
-    """Four experts of width 32, two per token, two layers, Qwen3 GQA attention with head_dim 16."""
-    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-                          norm_topk_prob=norm_topk_prob, router_aux_loss_coef=aux, tie_word_embeddings=False)
+FAMILIES = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM), "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}
 
 
-def tiny_moe(seed: int = 0, **config) -> Qwen3MoeForCausalLM:
-    """A seeded tiny Qwen3-MoE whose every weight is non-trivial (HF starts the router at zero: every expert
-    tied, which would hide a routing mix-up)."""
+def tiny_moe_config(norm_topk_prob: bool = True, aux: float = 0.0, family: str = "qwen3_moe"):
+    """Four experts of width 32, two per token, two layers, GQA attention with head_dim 16: Qwen3's (q/k norms), or
+    Qwen2's (Q/K/V biases) with a shared expert of width 48 behind its sigmoid gate."""
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                 num_experts_per_tok=2, max_position_embeddings=64, norm_topk_prob=norm_topk_prob,
+                 router_aux_loss_coef=aux, tie_word_embeddings=False)
+    if family == "qwen2_moe":
+        return Qwen2MoeConfig(**shape, shared_expert_intermediate_size=48)
+    return Qwen3MoeConfig(**shape, head_dim=16)
+
+
+def tiny_moe(seed: int = 0, **config):
+    """A seeded tiny Qwen3-MoE (or Qwen2-MoE: ``family="qwen2_moe"``) whose every weight is non-trivial (HF starts
+    the router at zero: every expert tied, which would hide a routing mix-up)."""
+    config = tiny_moe_config(**config)
     torch.manual_seed(seed)
-    return perturbed(Qwen3MoeForCausalLM(tiny_moe_config(**config)).eval())
+    return perturbed(FAMILIES[config.model_type][1](config).eval())
 
 
 def _gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
@@ -57,7 +66,7 @@ def _weights(dp_rank: int) -> torch.Tensor:
     return torch.randn(2, 11, VOCAB, generator=torch.Generator().manual_seed(11 + dp_rank))
 
 
-def check_layout(tp: int, ep: int, norm_topk_prob: bool) -> dict:
+def check_layout(tp: int, ep: int, norm_topk_prob: bool, family: str = "qwen3_moe") -> dict:
     """Logits, gradients and gathered weights of this rank against HF, at (tp, ep) on the world's ranks."""
     from megatron.core import parallel_state as ps
 
@@ -65,7 +74,7 @@ def check_layout(tp: int, ep: int, norm_topk_prob: bool) -> dict:
 
     tp_group, dp_rank = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_rank()
     experts = convert.Experts(ps.get_expert_model_parallel_rank(), ep)
-    hf = tiny_moe(norm_topk_prob=norm_topk_prob)
+    hf = tiny_moe(norm_topk_prob=norm_topk_prob, family=family)
     config, disk = hf.config, unfuse_hf_experts(hf.state_dict())
     model = mm.build_gpt_model(config, tp).train()
     mm.load_megatron_shard(model, convert.hf_to_megatron(disk, config, ps.get_tensor_model_parallel_rank(), tp,
@@ -104,6 +113,8 @@ def check_layout(tp: int, ep: int, norm_topk_prob: bool) -> dict:
     scale = max(g.abs().max().item() for g in hf_grads.values())
     grad_diff = max((merged[n] - hf_grads[n]).abs().max().item() for n in merged) / scale
     router_diff = max((merged[n] - hf_grads[n]).abs().max().item() for n in merged if n.endswith("mlp.gate.weight"))
+    shared = [n for n in merged if ".mlp.shared_expert" in n]  # Qwen2-MoE: the shared expert and its gate
+    shared_diff = max(((merged[n] - hf_grads[n]).abs().max().item() for n in shared), default=0.0) / scale
     gathered = dict(convert.iter_gathered_hf_weights(model, config, tp_group, emit_tied_lm_head=False,
                                                      experts=experts))
     expert_names = sorted(n for n in gathered if ".mlp.experts." in n)
@@ -112,6 +123,8 @@ def check_layout(tp: int, ep: int, norm_topk_prob: bool) -> dict:
         "grads_max_rel_diff_vs_hf": grad_diff,
         "router_grad_max_abs_diff_vs_hf": router_diff,
         "router_grad_scale": max(hf_grads[n].abs().max().item() for n in hf_grads if n.endswith("mlp.gate.weight")),
+        "shared_expert_tensors": len(shared),
+        "shared_expert_grad_max_rel_diff_vs_hf": shared_diff,
         "gathered_bitwise_equal": all(torch.equal(t, disk[n]) for n, t in gathered.items()),
         "gathered_non_expert_keys_equal": sorted(n for n in gathered if n not in expert_names)
         == sorted(n for n in disk if ".mlp.experts." not in n),
@@ -122,7 +135,8 @@ def check_layout(tp: int, ep: int, norm_topk_prob: bool) -> dict:
     }
 
 
-CASES = [f"{name}-norm{norm}" for name in LAYOUTS for norm in (1, 0)]  # norm: HF's norm_topk_prob
+# norm: HF's norm_topk_prob; "qwen2moe-" cases: Qwen2-MoE (shared expert), the others Qwen3-MoE
+CASES = [f"{model}{name}-norm{norm}" for model in ("", "qwen2moe-") for name in LAYOUTS for norm in (1, 0)]
 RAGGED = ["ragged-ep1", "ragged-ep2"]  # run in this order: ep2's gradients are measured against ep1's
 _RAGGED_EP1: dict[str, torch.Tensor] = {}
 
@@ -193,10 +207,11 @@ def main(out_dir: Path, cases: list[str]) -> None:
             report[case] = check_ragged(ep)
             mm.destroy_model_parallel()
             continue
-        name, norm = case.split("-norm")
+        name, norm = case.removeprefix("qwen2moe-").split("-norm")
         tp, ep = LAYOUTS[name]
         mm.initialize_model_parallel(rank, world, "127.0.0.1", port, tp_size=tp, seed=0, ep_size=ep)
-        report[case] = check_layout(tp, ep, norm == "1")
+        family = "qwen2_moe" if case.startswith("qwen2moe-") else "qwen3_moe"
+        report[case] = check_layout(tp, ep, norm == "1", family)
         mm.destroy_model_parallel()
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(report, indent=1))
 
@@ -211,7 +226,7 @@ def export_logits_gap(step_dir: Path, hf_dir: Path) -> float:
     from yatt_hpc.train import megatron_model as mm
 
     config = load_hf_config(hf_dir)
-    hf, info = Qwen3MoeForCausalLM.from_pretrained(str(hf_dir), output_loading_info=True)
+    hf, info = AutoModelForCausalLM.from_pretrained(str(hf_dir), output_loading_info=True)
     if any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")):
         raise AssertionError(f"the export does not load cleanly: {info}")
     mm.initialize_model_parallel(0, 1, "127.0.0.1", free_port(), tp_size=1)

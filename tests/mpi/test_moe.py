@@ -1,11 +1,12 @@
-"""Real `mpirun -np 2`: a Qwen3-MoE converted to Megatron's MoE layers computes transformers' logits and gradients
-at ep1, tp2 and ep2, and gives back the HF tensors it was loaded from, each expert from the rank that holds it.
+"""Real `mpirun -np 2`: a Qwen3-MoE, and a Qwen2-MoE with its gated shared expert, converted to Megatron's MoE layers
+compute transformers' logits and gradients at ep1, tp2 and ep2, and give back the HF tensors they were loaded from,
+each expert from the rank that holds it.
 
     .venv/bin/python -m pytest tests/mpi/test_moe.py -q
 
 One mpirun runs the layouts (tests/mpi/moe_worker.py), with HF's router renormalising the top-k probabilities
 (``norm_topk_prob``) and without; the tests assert on both ranks' reports. CI runs each layout once and both
-router normalisations; `make test-faults` (YATT_FULL_FAULT_MATRIX=1) runs all six pairs.
+router normalisations, and Qwen2-MoE at tp2 and ep2; `make test-faults` (YATT_FULL_FAULT_MATRIX=1) runs all twelve.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.mpi.moe_worker import CASES as ALL_CASES
 from tests.mpi.moe_worker import RAGGED
 
 WORKER = str(REPO / "tests/mpi/moe_worker.py")
-CI_CASES = ("ep1-norm0", "tp2-norm1", "ep2-norm1")
+CI_CASES = ("ep1-norm0", "tp2-norm1", "ep2-norm1", "qwen2moe-tp2-norm1", "qwen2moe-ep2-norm0")
 RUN = [*(ALL_CASES if FULL_MATRIX else CI_CASES), *RAGGED]
 CASES = [pytest.param(case, id=case, marks=() if case in CI_CASES else full_matrix_only) for case in ALL_CASES]
 TOLERANCE = 1e-5
@@ -48,6 +49,16 @@ def test_moe_gradients_of_every_parameter_equal_transformers_gradients(moe_repor
         got = report[case]
         assert got["grads_max_rel_diff_vs_hf"] <= TOLERANCE
         assert got["router_grad_max_abs_diff_vs_hf"] <= TOLERANCE * got["router_grad_scale"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.values[0].startswith("qwen2moe-")])
+def test_qwen2_moe_shared_expert_and_its_gate_get_transformers_gradients(moe_reports, case):
+    """The shared expert (gate, up, down) and its sigmoid gate of both layers: under tp2 and ep2 it runs on the
+    whole unsplit input (TokenSplitMoELayer), a tp-split dense MLP."""
+    for report in moe_reports:
+        got = report[case]
+        assert got["shared_expert_tensors"] == 2 * 4  # layers x (gate, up, down, shared_expert_gate)
+        assert got["shared_expert_grad_max_rel_diff_vs_hf"] <= TOLERANCE
 
 
 @pytest.mark.parametrize("case", CASES)

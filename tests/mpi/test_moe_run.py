@@ -1,6 +1,7 @@
 """Real `yatt-hpc run` of a mixture-of-experts policy: a random tiny Qwen3-MoE over the demo's tokenizer, trainer
-dp 2 (every rank every expert) or tp 2 (each expert split, each tensor rank routing half the tokens), the HF
-engine taking the experts one by one by their checkpoint names, then `ckpt export-hf` loaded by transformers; and
+dp 2 (every rank every expert) or tp 2 (each expert split, each tensor rank routing half the tokens), and a tiny
+Qwen2-MoE (its gated shared expert) at tp 2, the HF engine taking the experts one by one by their checkpoint names
+(the shared expert as plain linears), then `ckpt export-hf` loaded by transformers; and
 runs with routing replay (`train.moe_routing_replay`) at dp 2 and tp 2.
 
     YATT_FULL_FAULT_MATRIX=1 .venv/bin/python -m pytest tests/mpi/test_moe_run.py -q   # ~3 min on 2 busy cores; make test-faults
@@ -14,7 +15,7 @@ import sys
 import pytest
 
 from tests.conftest import NO_EVAL, PYTHON, REPO, full_matrix_only, mpi_env
-from yatt_hpc.demo.tiny_models import char_qwen3_moe, save_char_model
+from yatt_hpc.demo.tiny_models import char_qwen2_moe, char_qwen3_moe, save_char_model
 from yatt_hpc.metrics.writer import step_rows
 
 pytestmark = full_matrix_only
@@ -30,13 +31,15 @@ def _run(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
 
 
 LAYOUTS = {"dp2": "{nodes: 1, tasks_per_node: 2, tp: 1, dp: 2}", "tp2": "{nodes: 1, tasks_per_node: 2, tp: 2, dp: 1}"}
+RUNS = {"dp2": (char_qwen3_moe, "dp2"), "tp2": (char_qwen3_moe, "tp2"), "qwen2moe-tp2": (char_qwen2_moe, "tp2")}
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=list(RUNS))
 def moe_run(request, mpirun, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"moe_run_{request.param}")
-    policy = save_char_model(char_qwen3_moe(seed=0), root / "policy")
-    overrides = {**FAST, "model.path": policy, "placement.trainer": LAYOUTS[request.param]}
+    model, layout = RUNS[request.param]
+    policy = save_char_model(model(seed=0), root / "policy")
+    overrides = {**FAST, "model.path": policy, "placement.trainer": LAYOUTS[layout]}
     sets = [x for key, value in overrides.items() for x in ("--set", f"{key}={value}")]
     proc = _run("run", CONFIG, "--run-dir", str(root / "run"), *sets)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Qwen3-MoE as the converter reads it: the config's routing facts, what is refused, the experts between disk
+"""Qwen3-MoE and Qwen2-MoE as the converter reads them: the config's routing facts, what is refused, the experts between disk
 names and transformers' fused parameters, which experts an expert-parallel rank holds, and the HF engine taking
 experts one by one. The logits and gradients against transformers are tests/mpi/test_moe.py."""
 from __future__ import annotations
@@ -18,6 +18,51 @@ def test_qwen3_moe_routing_is_read_from_the_config():
     arch = describe_hf_config(tiny_moe_config(norm_topk_prob=False, aux=0.02), tp_size=2)
     assert arch.family == "qwen3_moe" and arch.qk_norm and arch.gated_mlp
     assert arch.moe == MoEArch(num_experts=4, topk=2, ffn_hidden_size=32, norm_topk_prob=False, aux_loss_coeff=0.02)
+
+
+def test_qwen2_moe_is_qwen2_attention_with_routed_experts_and_a_gated_shared_expert():
+    arch = describe_hf_config(tiny_moe_config(norm_topk_prob=False, aux=0.02, family="qwen2_moe"), tp_size=2)
+    assert arch.family == "qwen2_moe" and arch.qkv_bias and not arch.qk_norm and arch.head_dim == 16
+    assert arch.moe == MoEArch(num_experts=4, topk=2, ffn_hidden_size=32, norm_topk_prob=False, aux_loss_coeff=0.02,
+                               shared_ffn_hidden_size=48)
+    config = tiny_moe_config(family="qwen2_moe")
+    config.qkv_bias = False
+    assert not describe_hf_config(config, tp_size=1).qkv_bias
+
+
+def test_the_shared_expert_maps_to_megatrons_shared_experts_on_every_expert_rank():
+    arch = describe_hf_config(tiny_moe_config(family="qwen2_moe"), tp_size=1)
+    for rank in (0, 1):
+        rules = {r.megatron: (r.hf, r.split) for unit in convert.weight_rules(arch, experts=convert.Experts(rank, 2))
+                 for r in unit if ".shared_experts." in r.megatron and r.megatron.startswith("decoder.layers.1.")}
+        assert rules == {
+            "decoder.layers.1.mlp.shared_experts.linear_fc1.weight": (
+                ("model.layers.1.mlp.shared_expert.gate_proj.weight", "model.layers.1.mlp.shared_expert.up_proj.weight"),
+                convert.Split.GATE_UP),
+            "decoder.layers.1.mlp.shared_experts.linear_fc2.weight": (
+                ("model.layers.1.mlp.shared_expert.down_proj.weight",), convert.Split.ROW),
+            "decoder.layers.1.mlp.shared_experts.gate_weight": (
+                ("model.layers.1.mlp.shared_expert_gate.weight",), convert.Split.REPLICATED)}
+    assert not convert.is_expert("decoder.layers.1.mlp.shared_experts.linear_fc1.weight")  # a dense parameter
+
+
+@pytest.mark.parametrize("family, field, value, message", [
+    pytest.param("qwen2_moe", "decoder_sparse_step", 2, "decoder_sparse_step=2 (qwen2_moe): only 1",
+                 id="qwen2-sparse-step"),
+    pytest.param("qwen2_moe", "mlp_only_layers", [1], "mlp_only_layers=[1] (qwen2_moe)", id="qwen2-dense-layers"),
+    pytest.param("qwen2_moe", "shared_expert_intermediate_size", 0, "shared_expert_intermediate_size=0 (qwen2_moe)",
+                 id="qwen2-no-shared-expert"),
+    pytest.param("qwen2_moe", "shared_expert_intermediate_size", 47,
+                 "shared_expert_intermediate_size=47 is not divisible by tp_size=2", id="qwen2-shared-tp"),
+    pytest.param("qwen2_moe", "use_sliding_window", True, "use_sliding_window=True", id="qwen2-sliding"),
+    pytest.param("qwen3_moe", "shared_expert_intermediate_size", 64, "shared_expert_intermediate_size=64 (qwen3_moe)",
+                 id="qwen3-shared-expert"),
+])
+def test_qwen2_moe_settings_without_a_megatron_twin_are_refused_naming_the_field(family, field, value, message):
+    config = tiny_moe_config(family=family)
+    setattr(config, field, value)
+    with pytest.raises((NotImplementedError, ValueError), match=re.escape(message)):
+        describe_hf_config(config, tp_size=2)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -73,10 +118,12 @@ def test_an_expert_parallel_rank_holds_a_contiguous_share_under_local_numbers():
         convert.weight_rules(arch, experts=convert.Experts(0, 3))
 
 
-def test_the_hf_engine_writes_experts_sent_one_by_one_into_its_fused_parameters():
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_the_hf_engine_writes_experts_sent_one_by_one_into_its_fused_parameters(family):
+    """Qwen2-MoE's shared expert and its gate are plain linears: sent under their checkpoint names, loaded as is."""
     from yatt_hpc.rollout.hf_engine import HFEngine
 
-    target, source = tiny_moe(seed=0), tiny_moe(seed=1)
+    target, source = tiny_moe(seed=0, family=family), tiny_moe(seed=1, family=family)
     engine = HFEngine(target, device="cpu")
     sent = list(unfuse_hf_experts(source.state_dict()).items())
     half = len(sent) // 2  # two buckets: a layer's experts may straddle them

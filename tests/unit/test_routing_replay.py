@@ -172,7 +172,6 @@ def test_a_dense_model_is_refused_by_the_engine_and_the_trainer(one_rank_world):
 
 
 @pytest.mark.parametrize("override, message", [
-    pytest.param({"rollout": {"engine": "sglang"}}, "enable_return_routed_experts", id="sglang"),
     pytest.param({"rollout": {"partial_rollouts": True, "max_staleness": 1}, "placement": {"mode": "disjoint"}},
                  "rollout.partial_rollouts=false", id="partial"),
     pytest.param({"agent": {"tools": [{"function": "builtin:python"}]}}, "drop the agent: section", id="agent"),
@@ -203,3 +202,63 @@ def test_replay_takes_the_prompts_and_responses_recorded_experts_and_never_the_l
     assert changed(lambda p, n: slice(0, p)) > 1e-3  # the prompt's experts
     assert changed(lambda p, n: slice(p, n - 1)) > 1e-3  # the response's fed tokens
     assert changed(lambda p, n: slice(n - 1, n)) == 0.0  # the last token: no input, nothing to replay
+
+
+def _sglang_meta(routed: np.ndarray) -> dict:
+    """What SGLang's tokenizer manager puts in meta_info for `routed` ([seqlen - 1, layers, top k] int32): base64 of
+    the tensor's bytes (sglang managers/tokenizer_manager.py, ``pybase64.b64encode(val.numpy().tobytes())``)."""
+    import base64
+
+    return {"routed_experts": base64.b64encode(np.ascontiguousarray(routed, dtype="<i4").tobytes()).decode("utf-8"),
+            "finish_reason": {"type": "length"}}
+
+
+def test_sglangs_returned_routing_becomes_the_hf_engines_column(model_dir):
+    """The HF engine's recorded column of one sample, handed over as SGLang returns routing (every fed token: the
+    prompt and the response but its last), decodes to the same column, -1 on the last token."""
+    from yatt_hpc.rollout.routing_record import routed_experts_from_sglang
+    from yatt_hpc.rollout.sglang_engine import result_from_sglang_output
+
+    engine = HFEngine(str(model_dir), record_routing=True, stop_token_ids=[])
+    request = GenerationRequest(sample_id=0, prompt_ids=np.array([5, 9, 2, 7], np.int32), max_new_tokens=6)
+    hf = engine.generate([request])[0]
+    fed = hf.routed_experts[:-1].astype(np.int32)  # [4 + 6 - 1, 2 layers, top 2]
+    got = routed_experts_from_sglang(_sglang_meta(fed), 4, 6, layers=2, topk=2)
+    assert got.dtype == np.int16 and np.array_equal(got, hf.routed_experts) and (got[-1] == -1).all()
+    output = {"meta_info": {**_sglang_meta(fed), "output_token_logprobs": [
+        (float(lp), int(t), None) for lp, t in zip(hf.logprobs, hf.response_ids)]}}
+    result = result_from_sglang_output(request, output, weight_version=0, routing=(2, 2))
+    assert np.array_equal(result.routed_experts, hf.routed_experts)
+    assert result_from_sglang_output(request, output, weight_version=0).routed_experts is None  # not recording
+
+
+def test_sglang_routing_of_the_wrong_size_or_missing_is_refused_and_an_abort_without_it_is_the_trainers_choice():
+    from yatt_hpc.rollout.routing_record import routed_experts_from_sglang
+
+    meta = _sglang_meta(np.zeros((8, 2, 2), np.int32))
+    with pytest.raises(ValueError, match="holds 32 expert ids, but 4 prompt \\+ 6 response tokens"):
+        routed_experts_from_sglang(meta, 4, 6, layers=2, topk=2)
+    with pytest.raises(ValueError, match="enable_return_routed_experts=True"):
+        routed_experts_from_sglang({}, 4, 6, layers=2, topk=2)
+    assert (routed_experts_from_sglang({}, 4, 1, 2, 2, aborted=True) == -1).all()
+
+
+def test_the_sglang_engine_reads_its_routing_shape_from_config_json_and_refuses_a_dense_model(model_dir, tmp_path):
+    import json
+
+    from yatt_hpc.rollout.sglang_engine import routing_shape
+
+    assert routing_shape(str(model_dir)) == (2, 2)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="no num_experts_per_tok"):
+        routing_shape(str(tmp_path))
+
+
+def test_routing_replay_with_the_sglang_engine_validates():
+    from pathlib import Path
+
+    from yatt_hpc.config.load import load_config
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "qwen3_30b_a3b_disjoint_h200.yaml"
+    cfg = load_config(config, ["train.moe_routing_replay=true"])
+    assert cfg.rollout.engine == "sglang" and cfg.train.moe_routing_replay

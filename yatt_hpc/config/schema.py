@@ -32,7 +32,7 @@ class ModelConfig(Section):
     path: str = "models/demo/policy"
     """Directory of the initial policy in Hugging Face layout (config.json + *.safetensors + tokenizer).
     Relative paths are resolved against the working directory of `yatt-hpc run`."""
-    arch: Literal["auto", "gpt2", "llama", "qwen2", "qwen3", "qwen3_moe"] = "auto"
+    arch: Literal["auto", "gpt2", "llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"] = "auto"
     """Architecture the Megatron <-> HF converter uses. `auto` takes `model_type` from config.json; a named
     arch is checked against config.json before launch and a mismatch refuses the run."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -412,11 +412,6 @@ class RunConfig(Section):
     def _check_routing_replay(self) -> None:
         if not self.train.moe_routing_replay:
             return
-        if self.rollout.engine == "sglang":
-            raise ValueError("train.moe_routing_replay=true with rollout.engine=sglang: the SGLang engine here does not "
-                             "ask SGLang for its routed experts (its server flag enable_return_routed_experts and the "
-                             "request's return_routed_experts, meta_info['routed_experts']); use rollout.engine=hf or "
-                             "set train.moe_routing_replay=false")
         if self.agent.enabled:
             raise ValueError("train.moe_routing_replay=true with an agent: section: the tool turns' tokens are fed to "
                              "the engine as prompt text, whose routing is not recorded; drop the agent: section or "

@@ -6,6 +6,7 @@ benchmarks and `tools/make_demo_models.py` share.
     dirs = save_random_pair(Path("out"), n_embd=32)           # {"policy": ..., "judge": ...}
     set_eos_rate(model, 0.02)        # P(eos) ~ 2% per token: near-geometric (long-tail) response lengths
     moe = char_qwen3_moe(seed=0)     # a random Qwen3-MoE (4 experts, 2 per token) over the same tokenizer
+    moe = char_qwen2_moe(seed=0)     # a random Qwen2-MoE: the same, plus a gated shared expert
 
 Dropout is off (the RL loop compares trainer and rollout log-probs of the same weights) and the
 embeddings are tied, as in the committed demo models.
@@ -49,6 +50,29 @@ def char_qwen3_moe(hidden: int = 32, layers: int = 2, experts: int = 4, topk: in
     if seed is not None:
         torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # HF starts the router at zero, every expert tied: give each token a preference
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    return model
+
+
+def char_qwen2_moe(hidden: int = 32, layers: int = 2, experts: int = 4, topk: int = 2, n_positions: int = 64,
+                   aux_loss_coef: float = 0.01, seed: int | None = None):
+    """A random Qwen2-MoE over the character tokenizer: Qwen2 attention (Q/K/V biases, 2 query heads per KV head),
+    every layer `experts` SwiGLU experts of width `hidden`, `topk` per token, plus a shared expert of width
+    2 * `hidden` behind its sigmoid gate."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    tok = CharTokenizer()
+    config = Qwen2MoeConfig(vocab_size=tok.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                            moe_intermediate_size=hidden, shared_expert_intermediate_size=2 * hidden,
+                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, num_experts=experts,
+                            num_experts_per_tok=topk, norm_topk_prob=True, router_aux_loss_coef=aux_loss_coef,
+                            max_position_embeddings=n_positions, tie_word_embeddings=True, bos_token_id=tok.bos_id,
+                            eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = Qwen2MoeForCausalLM(config)
     with torch.no_grad():  # HF starts the router at zero, every expert tied: give each token a preference
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0.0, 0.5)

@@ -69,7 +69,15 @@ class TokenSplitMoELayer(MoELayer):
     shape meet in the same collectives. The padded rows are routed like tokens, but count neither in the
     load-balancing loss (computed as Megatron computes it under sequence parallelism, with its padding mask), nor
     in a real token's output, nor in `ExpertLoad`. The router, which now sees only this rank's tokens, sums its gradient over tp
-    (`LocalTopKRouter`)."""
+    (`LocalTopKRouter`).
+
+    A shared expert (Qwen2-MoE) runs on the whole unsplit input, before any padding: it is Megatron's
+    ``SharedExpertMLP``, a tensor-parallel MLP whose column/row-parallel linears expect every tensor rank to hold
+    the same tokens without sequence parallelism (input copied, output all-reduced), and its gate weight then sees
+    every token on every rank (the same gradient on each, no sum over tp needed)."""
+
+    def shared_experts_compute(self, hidden_states: torch.Tensor):
+        return None  # computed by forward on the unsplit input
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         if padding_mask is not None:
@@ -77,6 +85,7 @@ class TokenSplitMoELayer(MoELayer):
         group = parallel_state.get_tensor_model_parallel_group()
         tp = torch.distributed.get_world_size(group)
         shape = hidden_states.shape
+        shared = self.shared_experts(hidden_states) if self.shared_experts is not None else None
         if expert_parallel_size() > 1:
             tokens = shape[0] * shape[1]
             count = torch.tensor([tokens + (-tokens % tp)], dtype=torch.int64, device=hidden_states.device)
@@ -98,7 +107,8 @@ class TokenSplitMoELayer(MoELayer):
         if tp > 1:
             out = tensor_parallel.gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False,
                                                                        group=group)
-        return out[:tokens].reshape(shape), bias
+        out = out[:tokens].reshape(shape)
+        return (out if shared is None else out + shared), bias
 
 
 class LocalTopKRouter(TopKRouter):

@@ -79,7 +79,7 @@ def rollout_engine_options(world, cfg) -> dict:
     """`engine_options` of a rollout engine, plus `rollout.max_batch_size` in the engine's own terms and the
     recording of its routing (`train.moe_routing_replay`)."""
     opts = engine_options(world, cfg)
-    if cfg.train.moe_routing_replay:  # the policy's engine records its routing (the config refuses sglang with it)
+    if cfg.train.moe_routing_replay:  # the policy's engine records its routing (hf: its hooks, sglang: its capturer)
         opts["record_routing"] = True
     size = cfg.rollout.max_batch_size
     if size is not None:

@@ -24,6 +24,10 @@ How the contract maps onto SGLang (source read: sglang/srt/entrypoints/engine.py
   the radix cache is flushed once per version, names and shapes are checked first against the
   checkpoint's safetensors headers. For tied embeddings SGLang skips ``lm_head.weight``: send the
   embedding, as ``save_pretrained`` and Megatron-to-HF converters do.
+* ``record_routing=True`` (train.moe_routing_replay) starts SGLang with ``enable_return_routed_experts`` and asks
+  every request for ``return_routed_experts``; ``meta_info["routed_experts"]`` (base64 int32 [seqlen - 1, layers,
+  top k]) becomes the result's ``routed_experts`` column (`routing_record.routed_experts_from_sglang`). The layer
+  and top-k counts are config.json's ``num_hidden_layers`` and ``num_experts_per_tok``.
 * ``release_memory`` releases weights, KV cache and CUDA graphs (``enable_memory_saver=True``);
   ``resume_memory`` takes the weights back first, then KV cache and CUDA graphs, so the peak is weights
   + cache. An ``update_weights`` while released resumes just the weights before loading into them.
@@ -51,6 +55,7 @@ import torch
 
 from yatt_hpc.device.weight_group import BucketManifest, Rendezvous
 from yatt_hpc.rollout.engine import BaseEngine, GenerationRequest, GenerationResult
+from yatt_hpc.rollout.routing_record import routed_experts_from_sglang
 from yatt_hpc.rollout.sglang_weights import SGLangWeights
 
 _INSTALL_HINT = (
@@ -95,19 +100,37 @@ def _read_config(model_dir: str) -> dict:
         return json.load(handle)
 
 
-def result_from_sglang_output(request: GenerationRequest, output: dict, weight_version: int) -> GenerationResult:
-    """Turn one ``sglang.Engine.generate`` output dict into a :class:`GenerationResult`."""
+def routing_shape(model_dir: str) -> tuple[int, int]:
+    """(MoE layers, top k) of a policy whose routing SGLang records: config.json's ``num_hidden_layers`` and
+    ``num_experts_per_tok`` (every layer a MoE layer: the converter refuses ``mlp_only_layers``)."""
+    config = _read_config(model_dir)
+    if not config.get("num_experts_per_tok"):
+        raise ValueError(f"train.moe_routing_replay=true but {model_dir}/config.json has no num_experts_per_tok (a "
+                         "dense model): routing replay needs a mixture-of-experts policy; set "
+                         "train.moe_routing_replay=false")
+    return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])
+
+
+def result_from_sglang_output(request: GenerationRequest, output: dict, weight_version: int,
+                              routing: tuple[int, int] | None = None) -> GenerationResult:
+    """Turn one ``sglang.Engine.generate`` output dict into a :class:`GenerationResult`; with `routing` (MoE layers,
+    top k) its ``meta_info["routed_experts"]`` becomes the result's ``routed_experts``."""
     meta = output["meta_info"]
     pairs = meta.get("output_token_logprobs") or []
     reason = (meta.get("finish_reason") or {}).get("type")
+    response = np.asarray([int(token) for _, token, *_ in pairs], dtype=np.int32)
+    # SGLang reports errors (e.g. a request it rejected) as aborts too; anything unfinished is one.
+    finish = reason if reason in ("stop", "length") else "abort"
+    routed = None if routing is None else routed_experts_from_sglang(
+        meta, len(request.prompt_ids), len(response), *routing, aborted=finish == "abort")
     return GenerationResult(
         sample_id=request.sample_id,
         prompt_ids=request.prompt_ids,
-        response_ids=np.asarray([int(token) for _, token, *_ in pairs], dtype=np.int32),
+        response_ids=response,
         logprobs=np.asarray([float(logprob) for logprob, *_ in pairs], dtype=np.float32),
-        # SGLang reports errors (e.g. a request it rejected) as aborts too; anything unfinished is one.
-        finish_reason=reason if reason in ("stop", "length") else "abort",
+        finish_reason=finish,
         weight_version=weight_version,
+        routed_experts=routed,
     )
 
 
@@ -139,13 +162,16 @@ class SGLangEngine(BaseEngine):
         weights_cpu_backup: bool = True,
         deterministic: bool = False,
         dtype: str = "auto",
+        record_routing: bool = False,
         **engine_kwargs: object,
     ) -> None:
-        """``engine_kwargs`` go to ``sglang.Engine`` unchanged (any ``ServerArgs`` field)."""
+        """``engine_kwargs`` go to ``sglang.Engine`` unchanged (any ``ServerArgs`` field). ``record_routing``: each
+        result carries the experts the MoE model's routers chose (module docstring; train.moe_routing_replay)."""
         target = torch.device(device)
         if target.type != "cuda":
             raise ValueError(f"engine 'sglang' runs on CUDA devices only, got device={device!r}; use engine 'hf' on CPU")
         self._image_pad = image_token_id_of(model_dir)
+        self._routing = routing_shape(model_dir) if record_routing else None
         try:
             import sglang
         except ImportError as error:
@@ -169,6 +195,8 @@ class SGLangEngine(BaseEngine):
             kwargs["enable_weights_cpu_backup"] = True
         if deterministic:
             kwargs.update(enable_deterministic_inference=True, sampling_backend="pytorch")
+        if record_routing:
+            kwargs["enable_return_routed_experts"] = True
         kwargs.update(engine_kwargs)
         self._engine = sglang.Engine(**kwargs)
         self._device = torch.device("cuda", target.index or 0)
@@ -197,12 +225,14 @@ class SGLangEngine(BaseEngine):
             outputs = self._engine.generate(
                 sampling_params=[self._sampling_params(r) for r in requests],
                 return_logprob=True,
+                **({"return_routed_experts": True} if self._routing else {}),
                 **sglang_prompt_inputs(requests, self._image_pad),
             )
         finally:
             with self._lock:
                 self._in_flight = False
-        results = [result_from_sglang_output(r, out, self._weights.version) for r, out in zip(requests, outputs)]
+        results = [result_from_sglang_output(r, out, self._weights.version, self._routing)
+                   for r, out in zip(requests, outputs)]
         for result in results if on_result is not None else ():
             on_result(result)
         return results

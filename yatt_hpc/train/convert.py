@@ -21,7 +21,10 @@ TP group explicitly. Layout facts, checked against megatron-core 0.16 ``SelfAtte
   ``mlp.gate.weight``; transformers fuses them into 3-D parameters in memory: `models.hf_experts`): the
   router ``mlp.router.weight`` is replicated; expert e is ``mlp.experts.local_experts.{e - first}`` of the
   expert-parallel rank that owns it (`Experts`: rank r of ep holds experts r*E/ep .. (r+1)*E/ep - 1, Megatron's
-  ``SequentialMLP``), split over TP like a dense SwiGLU MLP.
+  ``SequentialMLP``), split over TP like a dense SwiGLU MLP. Qwen2-MoE's shared expert
+  (``mlp.shared_expert.{gate,up,down}_proj.weight``) is ``mlp.shared_experts.linear_fc1/linear_fc2`` on every rank,
+  split over TP like a dense SwiGLU MLP; its gate ``mlp.shared_expert_gate.weight`` [1, H] is the replicated
+  ``mlp.shared_experts.gate_weight``.
 * A vision-language checkpoint (Qwen2-VL, names as saved on disk and loaded by SGLang): the language
   model converts as above from ``model.*``; the HF vision tower is not converted: ``visual.X`` is the
   trainer model's ``visual.X`` (the same HF module, replicated over TP), copied as is both ways.
@@ -252,6 +255,9 @@ def _expert_rules(arch: HFArch, m: str, mlp: str, experts: Experts) -> list[Rule
     rules = [Rule(f"{m}mlp.router.weight", (f"{mlp}gate.weight",), Split.REPLICATED)]
     for e in owned:
         rules += _mlp_rules(f"{m}mlp.experts.local_experts.{e - owned.start}.", f"{mlp}experts.{e}.")
+    if arch.moe.shared_ffn_hidden_size:  # Qwen2-MoE: on every rank, a dense MLP over tp
+        rules += _mlp_rules(f"{m}mlp.shared_experts.", f"{mlp}shared_expert.")
+        rules.append(Rule(f"{m}mlp.shared_experts.gate_weight", (f"{mlp}shared_expert_gate.weight",), Split.REPLICATED))
     return rules
 
 

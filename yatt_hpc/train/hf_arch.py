@@ -10,9 +10,10 @@ imports neither torch nor megatron: it is plain arithmetic on the config.
 Maps: ``gpt2``; ``llama`` (GQA, Llama-3 ``llama3`` and ``linear`` RoPE scaling); ``qwen2`` (Qwen2 and
 Qwen2.5: fixed Q/K/V biases); ``qwen3`` (per-head q/k RMSNorm, ``head_dim`` independent of
 ``hidden_size``); ``qwen3_moe`` (Qwen3-MoE: Qwen3 attention, every layer a top-k mixture of SwiGLU experts, no shared
-expert); ``qwen2_vl`` (Qwen2-VL: its ``text_config`` is a Qwen2 language model with M-RoPE,
-``mrope_section`` (temporal, height, width) rotary channels; the HF vision tower rides along
-unconverted, see ``vision``). A setting the Megatron model would compute differently (sliding windows, other RoPE
+expert); ``qwen2_moe`` (Qwen2-MoE / Qwen1.5-MoE: Qwen2 attention with its Q/K/V biases, every layer routed
+experts plus one shared SwiGLU expert scaled by a sigmoid gate); ``qwen2_vl`` (Qwen2-VL: its ``text_config`` is a
+Qwen2 language model with M-RoPE, ``mrope_section`` (temporal, height, width) rotary channels; the HF vision tower
+rides along unconverted, see ``vision``). A setting the Megatron model would compute differently (sliding windows, other RoPE
 types, other bias layouts, attention dropout) raises, naming the config.json field and its value.
 """
 from __future__ import annotations
@@ -20,8 +21,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-Family = Literal["gpt2", "llama", "qwen2", "qwen3", "qwen3_moe"]
-SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_vl")
+Family = Literal["gpt2", "llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
+SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "qwen2_vl")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 VISION_MODEL_TYPES = ("qwen2_vl",)
 
 
@@ -66,7 +68,7 @@ class HFArch:
     """A vision-language checkpoint: besides the language model (``model.*`` on disk) it holds a
     vision tower (``visual.*``), which the trainer keeps as HF's own module."""
     moe: MoEArch | None = None
-    """A mixture-of-experts model (Qwen3-MoE): every layer's MLP is a routed set of experts; None: dense."""
+    """A mixture-of-experts model (Qwen3-MoE, Qwen2-MoE): every layer's MLP is a routed set of experts; None: dense."""
 
     @property
     def gated_mlp(self) -> bool:
@@ -88,6 +90,10 @@ class MoEArch:
     False: they stay the softmax over all experts (Megatron's ``moe_router_pre_softmax``)."""
     aux_loss_coeff: float
     """``router_aux_loss_coef``: the load-balancing loss's weight (Megatron's ``moe_aux_loss_coeff``)."""
+    shared_ffn_hidden_size: int | None = None
+    """``shared_expert_intermediate_size`` (Qwen2-MoE): the width of the one SwiGLU expert every token goes through,
+    its output times ``sigmoid(shared_expert_gate(x))`` (Megatron's ``SharedExpertMLP`` with
+    ``moe_shared_expert_gate``); None: no shared expert (Qwen3-MoE)."""
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -107,8 +113,8 @@ def describe_hf_config(hf_config: Any, tp_size: int) -> HFArch:
         arch = _describe_gpt2(hf_config, tp_size)
     elif model_type in VISION_MODEL_TYPES:
         arch = _describe_vision_language(hf_config, tp_size)
-    elif model_type == "qwen3_moe":
-        arch = _describe_qwen3_moe(hf_config, tp_size)
+    elif model_type in MOE_MODEL_TYPES:
+        arch = _describe_moe(hf_config, tp_size, model_type)
     else:
         arch = _describe_rope_family(hf_config, tp_size, model_type)
     _check_tp_divisibility(arch, tp_size)
@@ -159,24 +165,32 @@ def _describe_vision_language(c: Any, tp_size: int) -> HFArch:
     return dataclasses.replace(arch, mrope_section=section, vision=True)
 
 
-def _describe_qwen3_moe(c: Any, tp_size: int) -> HFArch:
-    """Qwen3-MoE: Qwen3's attention; every layer's MLP routed experts (Megatron's MoELayer)."""
+def _describe_moe(c: Any, tp_size: int, family: Family) -> HFArch:
+    """Qwen3-MoE (Qwen3's attention) and Qwen2-MoE (Qwen2's, plus a gated shared expert): every layer's MLP routed
+    experts (Megatron's MoELayer)."""
     sparse_step = getattr(c, "decoder_sparse_step", 1)
     if sparse_step != 1:
-        raise NotImplementedError(f"config.json decoder_sparse_step={sparse_step} (qwen3_moe): only 1 (every layer "
+        raise NotImplementedError(f"config.json decoder_sparse_step={sparse_step} ({family}): only 1 (every layer "
                                   "a mixture of experts) maps; Megatron's moe_layer_freq is not wired")
     if getattr(c, "mlp_only_layers", None):
-        raise NotImplementedError(f"config.json mlp_only_layers={list(c.mlp_only_layers)} (qwen3_moe): dense layers "
+        raise NotImplementedError(f"config.json mlp_only_layers={list(c.mlp_only_layers)} ({family}): dense layers "
                                   "among the experts' layers are not mapped; use []")
-    if getattr(c, "shared_expert_intermediate_size", 0):
-        raise NotImplementedError("config.json shared_expert_intermediate_size (qwen3_moe): a shared expert is not "
-                                  "mapped")
+    shared = getattr(c, "shared_expert_intermediate_size", None) or None
+    if family == "qwen3_moe" and shared:
+        raise NotImplementedError(f"config.json shared_expert_intermediate_size={shared} (qwen3_moe): Qwen3-MoE has "
+                                  "no shared expert and transformers builds none; remove the field")
+    if family == "qwen2_moe" and not (shared and shared > 0):
+        raise NotImplementedError(f"config.json shared_expert_intermediate_size={c.shared_expert_intermediate_size!r} "
+                                  "(qwen2_moe): a shared expert of width 0 is not mapped; use a positive width")
     moe = MoEArch(num_experts=c.num_experts, topk=c.num_experts_per_tok, ffn_hidden_size=c.moe_intermediate_size,
-                  norm_topk_prob=bool(c.norm_topk_prob), aux_loss_coeff=float(c.router_aux_loss_coef))
+                  norm_topk_prob=bool(c.norm_topk_prob), aux_loss_coeff=float(c.router_aux_loss_coef),
+                  shared_ffn_hidden_size=shared)
     if not 0 < moe.topk <= moe.num_experts:
         raise ValueError(f"config.json num_experts_per_tok={moe.topk} must be in 1..num_experts={moe.num_experts}")
-    dense = _describe_rope_family(c, tp_size, "qwen3")
-    return dataclasses.replace(dense, family="qwen3_moe", moe=moe)
+    dense = _describe_rope_family(c, tp_size, "qwen3" if family == "qwen3_moe" else "qwen2")
+    # Qwen2-MoE's attention biases are a config field in transformers 5 (qkv_bias, true by default)
+    qkv_bias = bool(getattr(c, "qkv_bias", True)) if family == "qwen2_moe" else dense.qkv_bias
+    return dataclasses.replace(dense, family=family, moe=moe, qkv_bias=qkv_bias)
 
 
 def _describe_rope_family(c: Any, tp_size: int, family: Family, mrope: bool = False) -> HFArch:
@@ -276,6 +290,8 @@ def _check_tp_divisibility(arch: HFArch, tp_size: int) -> None:
     fields = [(f, getattr(arch, f)) for f in ("num_heads", "num_kv_heads", "ffn_hidden_size")]
     if arch.moe is not None:  # the experts split over tp like a dense MLP (Megatron's expert tp = tp)
         fields.append(("moe_intermediate_size", arch.moe.ffn_hidden_size))
+        if arch.moe.shared_ffn_hidden_size:  # a dense SwiGLU MLP split over tp
+            fields.append(("shared_expert_intermediate_size", arch.moe.shared_ffn_hidden_size))
     for field, value in fields:
         if value % tp_size:
             raise ValueError(f"{field}={value} is not divisible by tp_size={tp_size}; pick a tp_size "

@@ -209,10 +209,15 @@ def moe_fields(arch: HFArch, ep_size: int) -> dict[str, Any]:
     the plain one. Experts are ``SequentialMLP`` (no grouped GEMM: that needs Transformer Engine or the
     grouped_gemm package). Tokens reach their experts through the all-gather dispatcher on CPU (Gloo's
     all_gather_into_tensor and reduce_scatter_tensor; the all-to-all dispatcher allocates CUDA streams) and
-    the all-to-all dispatcher on GPU (NCCL)."""
+    the all-to-all dispatcher on GPU (NCCL). Qwen2-MoE's shared expert is Megatron's ``SharedExpertMLP`` with its
+    gate: ``output * sigmoid(x @ gate_weight.T)``, transformers' ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``
+    (shared_experts.py; modeling_qwen2_moe.py ``Qwen2MoeSparseMoeBlock``)."""
     if arch.moe is None:
         return {}
+    shared = arch.moe.shared_ffn_hidden_size
     return {
+        "moe_shared_expert_intermediate_size": shared,
+        "moe_shared_expert_gate": shared is not None,
         "num_moe_experts": arch.moe.num_experts,
         "moe_router_topk": arch.moe.topk,
         "moe_ffn_hidden_size": arch.moe.ffn_hidden_size,
