@@ -25,7 +25,9 @@ POLICY = str(REPO / "models/demo/policy")
 @pytest.fixture(scope="module")
 def heavy_judge(tmp_path_factory):
     """A judge that always writes its full verdict: the eos embedding is zero, so (tied) its logit is 0
-    and greedy decoding never picks it over the random positive ones."""
+    and greedy decoding never picks it over the random positive ones. 24 layers: a verdict costs several
+    times a response, so the measured load says so even on a busy machine (each step's fixed costs are about
+    the same for both roles)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -34,7 +36,7 @@ def heavy_judge(tmp_path_factory):
     path = tmp_path_factory.mktemp("heavy_judge") / "judge"
     tok = CharTokenizer()
     torch.manual_seed(7)
-    config = GPT2Config(vocab_size=tok.vocab_size, n_embd=64, n_layer=4, n_head=2, n_positions=128,
+    config = GPT2Config(vocab_size=tok.vocab_size, n_embd=64, n_layer=24, n_head=2, n_positions=128,
                         activation_function="gelu_new", tie_word_embeddings=True, eos_token_id=tok.eos_id,
                         bos_token_id=tok.bos_id, pad_token_id=tok.pad_id)
     model = GPT2LMHeadModel(config)
