@@ -24,6 +24,8 @@ status and cut, so with deterministic tools a lockstep run with a tools group is
 A `code` reward term's test programs (agent/code_runs.py) go the same way as a request of their own kind
 (TAG_CODE_RUNS, a JSON list of sources, answered by TAG_CODE_RESULTS with each program's `SandboxRun`): a tool
 rank runs them in its `CodeRunPool` (the same sandbox and limits), so a rollout rank never runs the model's code.
+They run as one batch that the tool rank waits for (the tool calls it started go on in their threads meanwhile,
+their answers wait for the batch): code runs come after a chunk's engine call, not between its turns.
 
 The wave's messages, in order: rollout -> tools TAG_TOOL_CALLS, tools -> rollout TAG_TOOL_RESULTS (any number,
 one answer per request, in any order), then once per wave, after the rollout rank took every answer it is owed
