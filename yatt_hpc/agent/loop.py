@@ -7,8 +7,14 @@
 Test: .venv/bin/python -m pytest tests/unit/test_agent_loop.py (HF engine, real tokenizers);
       tests/mpi/test_agent_run.py (a run over mpirun).
 
-Token-in/token-out: a trajectory is one list of token ids. Each turn the live trajectories go to the engine
-together as requests whose prompt is the row's prompt plus everything so far (`GenerationRequest.prompt_ids`:
+Turn schedules (`agent.turn_schedule`): `lockstep` sends turn k of every live trajectory in one engine call once
+all of turn k - 1's tool results are back, so each call's batch is a function of the data (bitwise reproducible);
+`as_ready` submits each trajectory's calls without waiting (`ToolBox.start`, or the tools group's
+`RemoteToolBox.start`) and calls the engine for the trajectories whose results are back while others still wait,
+so a slow tool holds back only its own trajectory; the batches then depend on tool timing (docs/agentic.md).
+
+Token-in/token-out: a trajectory is one list of token ids. Each engine call takes its trajectories as requests
+whose prompt is the row's prompt plus everything so far (`GenerationRequest.prompt_ids`:
 the HF engine's decode and SGLang's `input_ids` alike), so the model's tokens are never decoded and encoded
 again; tool results are rendered by the chat template and appended as ids with mask 0 and logprob 0.
 Turn k of a sample samples with a seed mixed from its first turn's seed and k: a sample is a function of its

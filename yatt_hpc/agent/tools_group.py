@@ -2,6 +2,7 @@
 
     box = RemoteToolBox(world.comm, tool_ranks=plan.tool_ranks, me=world.group_rank)   # a rollout rank
     outcomes = box.run(calls)                 # as ToolBox.run: one ToolOutcome per call, in order
+    pending = box.start(calls)                # as ToolBox.start: pending.poll() is None until every answer came
     box.end_wave()                            # before the wave's gate: every tool rank may stop serving it
 
     ctl = ToolsController(world, cfg, stats, protocol)       # a rank of the tools group (runtime/worker.py)
