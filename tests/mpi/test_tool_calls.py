@@ -107,6 +107,8 @@ def test_an_interrupted_run_with_the_tools_group_resumes_bitwise(mpirun, tmp_pat
     pytest.param(("placement.mode=disjoint", "placement.tools.tasks_per_node=2"), {"4", "5"}, id="disjoint-2-tool-ranks"),
     pytest.param(("placement.mode=partial", "rollout.over_dispatch_ratio=1.5", "rollout.stream_chunk=4", GROUP), {"4"},
                  id="partial-over-dispatch"),
+    pytest.param(("placement.mode=partial", "rollout.over_dispatch_ratio=1.5", "rollout.stream_chunk=4", GROUP,
+                  "agent.turn_schedule=as_ready"), {"4"}, id="partial-over-dispatch-as-ready"),
     pytest.param(("placement.rollout.tasks_per_node=2", "placement.tools.tasks_per_node=2",
                   "eval.sources=[models/demo_tools/heldout.jsonl]", "eval.every=1", "eval.max_prompts=8"), {"5", "6"},
                  id="2-rollout-2-tool-ranks-with-validation"),
