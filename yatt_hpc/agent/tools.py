@@ -14,11 +14,11 @@ its `name: text` lines the parameters' descriptions (Google style `Args:` sectio
 
 A turn's calls run concurrently in a thread pool (`agent.tool_workers`); `start` submits them and returns at
 once (`agent.turn_schedule: as_ready` submits each trajectory's calls so and polls them between engine calls).
-A malformed call, an unknown tool,
-arguments that do not fit the signature, a tool that raises or runs past `agent.tool_timeout_s`, or a result
-that is not text all come back as an error text the model reads (and are counted); the rank goes on. A
-timed-out Python function cannot be stopped from outside: its thread is left to finish and the pool grows a
-replacement, so a tool that hangs for good costs one thread per call (the sandboxed Python tool is killed).
+A malformed call, an unknown tool, arguments that do not fit the signature, a tool that raises or runs past
+`agent.tool_timeout_s`, or a result that is not text all come back as an error text the model reads (and are
+counted); the rank goes on. A timed-out Python function cannot be stopped from outside: its thread is left to
+finish and the pool grows a replacement, so a tool that hangs for good costs one thread per call (the sandboxed
+Python tool is killed).
 """
 from __future__ import annotations
 
