@@ -85,9 +85,10 @@ def test_as_ready_fast_trajectories_take_their_later_turns_while_a_slow_tool_wai
     assert [o.turns for o in outs] == [2, 3, 3] and all(o.result.finish_reason == "stop" for o in outs)
     at = {pair: i for i, pairs in enumerate(engine.calls) for pair in pairs}
     assert engine.calls[0] == [(0, 0), (1, 0), (2, 0)]
-    # every later turn of the fast trajectories went to the engine before the slow one's second turn
-    assert max(at[(s, t)] for s in (1, 2) for t in (1, 2)) < at[(0, 1)]
-    assert all((0, 1) not in pairs for pairs in engine.calls[:at[(1, 2)]])
+    # fast sample 1 took its second and third turns while the slow call waited (the gate opened at its third),
+    # so before the slow trajectory's second turn; sample 2 may share that turn's call (its results came back
+    # meanwhile)
+    assert at[(1, 1)] < at[(1, 2)] < at[(0, 1)] and at[(2, 1)] < at[(2, 2)]
     stats = loop.take_stats()
     assert stats["agent_engine_calls"] == len(engine.calls) >= 4
     assert stats["agent_tool_turns"] == 5 and stats["agent_tool_wait_s"] > 0.0
@@ -101,7 +102,7 @@ def test_lockstep_holds_the_chunks_next_turn_until_the_slow_tool_is_back(tok):
     assert "closed" in _tool_text(tok, outs[0]), "lockstep called the engine while a tool was still running"
     assert engine.calls == [[(0, 0), (1, 0), (2, 0)], [(0, 1), (1, 1), (2, 1)], [(1, 2), (2, 2)]]
     stats = loop.take_stats()
-    assert stats["agent_engine_calls"] == 3 and stats["agent_engine_idle_s"] >= 0.3
+    assert stats["agent_engine_calls"] == 3 and stats["agent_engine_idle_s"] >= 0.25  # the gate waited 0.3 s
 
 
 def test_with_a_batch_independent_engine_both_schedules_make_the_same_trajectories(tok):
