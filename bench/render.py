@@ -176,6 +176,12 @@ BENCHES = [
         "tail, so there partial rollouts only keep the groups completed beyond the step's need. A continued "
         "sample's prefix is prefilled again (the HF engine keeps no cache across waves), and a wave runs on to "
         "the first segment boundary after its k-th group completes.")),
+    Bench("B16", "agent_turns", limits=(
+        "The loop part's engine is scripted with a fixed cost per call and per sequence (the schedule is measured, "
+        "not a model); as_ready makes more, smaller engine calls, so where the fixed cost of a call dominates the "
+        "saving shrinks. The runs part is the lookup demo on a 2-core machine shared with other work: its "
+        "trajectories make one call and its engine turns take milliseconds, so the step ends with the slowest "
+        "trajectory under either schedule and the difference is within the runs' spread.")),
     Bench("G1", "ckpt_stall_cuda", script="ckpt_stall", run=False, adapt=_ckpt_stall, limits=(
         "One H200, lent briefly; run by hand (`bench/ckpt_stall.py --device cuda`). The async stall is the "
         "device-to-pinned-host copy; the write and commit follow in the background.")),

@@ -63,6 +63,20 @@ def test_the_tools_group_runs_every_call_and_the_rollout_rank_none(mpirun, tmp_p
     assert "(loaded: no torch)" in (tmp_path / "run" / "logs" / "rank-0004-tools.log").read_text()
 
 
+def test_as_ready_with_the_tools_group_takes_more_engine_calls_past_a_slow_call(mpirun, tmp_path):
+    """One key in four takes the tool 0.5 s (`look_lagging`): under as_ready the tools rank answers each
+    trajectory's calls as they finish and the rollout rank calls the engine for those back while others wait;
+    the trainer's log-probs still equal the engine's."""
+    lagging = ("agent.tools=[{function: 'tests.programs.agent_tools:look_lagging', name: look}]", "train.steps=2",
+               "checkpoint.interval=0", GROUP, *SMALL[:3], *NO_EVAL)
+    lock, _ = run(tmp_path / "lockstep", *lagging)
+    ready, _ = run(tmp_path / "as_ready", *lagging, "agent.turn_schedule=as_ready")
+    for a, r in zip(lock, ready):
+        assert r["agent/tools_group_calls"] == r["agent/tool_calls"] > 0
+        assert a["agent/engine_calls"] < r["agent/engine_calls"], (a["agent/engine_calls"], r["agent/engine_calls"])
+        assert r["agent/tool_wait_mean_s"] > 0.0 and r["train/rollout_logp_diff_max"] < 1e-4
+
+
 @full_matrix_only
 def test_a_run_with_the_tools_group_trains_bitwise_the_run_without_it(mpirun, tmp_path):
     alone, ranks_alone = run(tmp_path / "alone", "train.steps=3", "checkpoint.interval=3", *SMALL)
@@ -71,7 +85,8 @@ def test_a_run_with_the_tools_group_trains_bitwise_the_run_without_it(mpirun, tm
     assert len(ranks_alone) == len(ranks_group) > 0
     assert same_weights(tmp_path / "alone", tmp_path / "group", 3)
     keys = [k for k in alone[0] if k.startswith(("reward/", "agent/", "train/loss", "train/kl"))
-            and k not in ("agent/tool_latency_mean_s", "agent/tools_group_calls")]
+            and k not in ("agent/tool_latency_mean_s", "agent/tools_group_calls", "agent/tool_wait_mean_s",
+                          "agent/engine_idle_s")]  # wall-clock times
     for a, g in zip(alone, group):
         assert {k: a[k] for k in keys} == {k: g[k] for k in keys}
 
@@ -93,6 +108,8 @@ def test_an_interrupted_run_with_the_tools_group_resumes_bitwise(mpirun, tmp_pat
     pytest.param(("placement.mode=disjoint", "placement.tools.tasks_per_node=2"), {"4", "5"}, id="disjoint-2-tool-ranks"),
     pytest.param(("placement.mode=partial", "rollout.over_dispatch_ratio=1.5", "rollout.stream_chunk=4", GROUP), {"4"},
                  id="partial-over-dispatch"),
+    pytest.param(("placement.mode=partial", "rollout.over_dispatch_ratio=1.5", "rollout.stream_chunk=4", GROUP,
+                  "agent.turn_schedule=as_ready"), {"4"}, id="partial-over-dispatch-as-ready"),
     pytest.param(("placement.rollout.tasks_per_node=2", "placement.tools.tasks_per_node=2",
                   "eval.sources=[models/demo_tools/heldout.jsonl]", "eval.every=1", "eval.max_prompts=8"), {"5", "6"},
                  id="2-rollout-2-tool-ranks-with-validation"),

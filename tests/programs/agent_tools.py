@@ -93,3 +93,30 @@ def look_held(k: str) -> str:
             while not Path(where, "release").exists():
                 time.sleep(0.05)
     return look(k)
+
+
+GATE = __import__("threading").Event()
+
+
+def gate(wait_s: float) -> str:
+    """Returns "opened" once the test sets `GATE` (tests/unit/test_turn_schedule.py opens it from the engine when a
+    fast trajectory's last turn is asked for), or "closed" after `wait_s` seconds without it.
+
+    wait_s: the longest wait
+    """
+    return "opened" if GATE.wait(wait_s) else "closed"
+
+
+def look_lagging(k: str) -> str:
+    """The demo's `look`, taking YATT_TOOL_LAG_S seconds (default 0.5) for one key in four (those whose letters
+    sum to 0 mod 4) and no time for the rest: one slow tool call among fast ones, deterministically.
+
+    k: the key
+    """
+    import os
+
+    from yatt_hpc.demo.lookup import look
+
+    if sum(map(ord, k)) % 4 == 0:
+        time.sleep(float(os.environ.get("YATT_TOOL_LAG_S", "0.5")))
+    return look(k)

@@ -41,6 +41,7 @@ GAE = "tests/unit/test_gae.py"  # GAE, the critic's schedule and its refusals
 LORA = "tests/unit/test_lora.py"  # train.lora: adapters, their maths and peft's, refusals
 AGENT = "tests/unit/test_agent_loop.py"  # agent: the multi-turn loop built from AgentConfig
 AGENT_TOOLS = "tests/unit/test_agent_tools.py::test_refused_agent_settings_name_the_field_and_the_fix"
+TURNS = "tests/unit/test_turn_schedule.py"  # agent.turn_schedule: lockstep vs as_ready with a slow tool
 SANDBOX = "tests/unit/test_sandbox.py"  # agent.sandbox: PythonSandbox reads SandboxConfig
 TOOLS_GROUP = "tests/unit/test_tools_group.py"  # placement.tools: the plan, its Slurm component, refusals
 
@@ -278,6 +279,7 @@ EFFECT: dict[str, str] = {
     "agent.tool_timeout_s": f"{AGENT}::test_bad_calls_become_error_text_for_the_model_and_are_counted",
     "agent.tool_workers": f"{AGENT}::test_tool_role_output_cut_and_workers_come_from_the_config",
     "agent.max_tool_output_chars": f"{AGENT}::test_tool_role_output_cut_and_workers_come_from_the_config",
+    "agent.turn_schedule": f"{TURNS}::test_as_ready_fast_trajectories_take_their_later_turns_while_a_slow_tool_waits",
     "agent.sandbox.timeout_s": f"{SANDBOX}::test_an_endless_program_is_killed",
     "agent.sandbox.cpu_s": f"{SANDBOX}::test_an_endless_program_is_killed",
     "agent.sandbox.memory_mb": f"{SANDBOX}::test_memory_past_the_limit_is_an_error",
@@ -294,6 +296,7 @@ REFUSED: dict[str, str] = {
     "agent.environment_args": AGENT_TOOLS,
     "agent.tool_call_pattern": AGENT_TOOLS,
     "agent.max_response_tokens": AGENT_TOOLS,
+    "agent.turn_schedule": f"{TURNS}::test_as_ready_without_a_tool_is_refused_naming_the_field_and_the_fix",
     "data.system_prompt": "tests/unit/test_chat_prompts.py::test_chat_fields_are_refused_in_text_format",
     "data.chat_template": "tests/unit/test_chat_prompts.py::test_chat_fields_are_refused_in_text_format",
     "data.num_prompts": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",

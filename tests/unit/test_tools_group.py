@@ -139,3 +139,33 @@ def test_the_sandboxed_python_tools_outcomes_cross_the_wire_unchanged():
         box.close()
     assert [(o.content, o.status) for o in here] == [(o.content, o.status) for o in there]
     assert [o.status for o in there] == ["ok", "error", "error"] and there[0].content == "42\n"
+
+
+def test_a_request_and_its_answer_carry_the_request_number():
+    from yatt_hpc.agent.tools_group import pack, unpack
+
+    data = encode_calls([ToolCall("add", {"a": 1})])
+    assert unpack(pack(7, data)) == (7, data) and unpack(pack(2**40, b"")) == (2**40, b"")
+
+
+def test_started_calls_come_back_as_each_request_finishes_not_all_together():
+    """What a tool rank does with the requests in flight: each request's calls start at once, and a request
+    of fast calls is complete while another's slow call still runs."""
+    from tests.programs import agent_tools
+
+    specs = [ToolSpec(function="tests.programs.agent_tools:add"), ToolSpec(function="tests.programs.agent_tools:gate")]
+    box = ToolBox([build_tool(s, AgentConfig(tools=specs)) for s in specs], workers=2, timeout_s=30.0)
+    agent_tools.GATE.clear()
+    try:
+        slow = box.start([ToolCall("gate", {"wait_s": 30})])
+        fast = box.start([ToolCall("add", {"a": 2, "b": 3}), "a malformed call"])
+        while (got := fast.poll()) is None:
+            box.wait_any([fast])
+        assert [(o.content, o.status) for o in got] == [("5", "ok"), ("error: a malformed call", "error")]
+        assert slow.poll() is None, "the slow call is still waiting on the gate"
+        agent_tools.GATE.set()
+        while (late := slow.poll()) is None:
+            box.wait_any([slow])
+        assert [(o.content, o.status) for o in late] == [("opened", "ok")]
+    finally:
+        box.close()

@@ -7,8 +7,14 @@
 Test: .venv/bin/python -m pytest tests/unit/test_agent_loop.py (HF engine, real tokenizers);
       tests/mpi/test_agent_run.py (a run over mpirun).
 
-Token-in/token-out: a trajectory is one list of token ids. Each turn the live trajectories go to the engine
-together as requests whose prompt is the row's prompt plus everything so far (`GenerationRequest.prompt_ids`:
+Turn schedules (`agent.turn_schedule`): `lockstep` sends turn k of every live trajectory in one engine call once
+all of turn k - 1's tool results are back, so each call's batch is a function of the data (bitwise reproducible);
+`as_ready` submits each trajectory's calls without waiting (`ToolBox.start`, or the tools group's
+`RemoteToolBox.start`) and calls the engine for the trajectories whose results are back while others still wait,
+so a slow tool holds back only its own trajectory; the batches then depend on tool timing (docs/agentic.md).
+
+Token-in/token-out: a trajectory is one list of token ids. Each engine call takes its trajectories as requests
+whose prompt is the row's prompt plus everything so far (`GenerationRequest.prompt_ids`:
 the HF engine's decode and SGLang's `input_ids` alike), so the model's tokens are never decoded and encoded
 again; tool results are rendered by the chat template and appended as ids with mask 0 and logprob 0.
 Turn k of a sample samples with a seed mixed from its first turn's seed and k: a sample is a function of its
@@ -23,6 +29,7 @@ between turns (over-dispatch: the owner's groups are complete).
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -94,7 +101,18 @@ class AgentLoop:
         if self.env_class is not None:
             for traj, row in zip(trajs, rows or [{}] * len(trajs)):
                 self._reset_env(traj, row)
-        for turn in range(self.cfg.max_turns):
+        if self.cfg.turn_schedule == "as_ready":
+            self._run_as_ready(engine, trajs, cancelled)
+        else:
+            self._run_lockstep(engine, trajs, cancelled)
+        for t in trajs:
+            if t.finish is None:
+                t.finish = "length"
+        return [self._result(t) for t in trajs]
+
+    def _run_lockstep(self, engine, trajs: list[_Trajectory], cancelled: Callable[[], bool]) -> None:
+        """Turn k of every live trajectory in one engine call, once all of turn k - 1's tool results are back."""
+        for _ in range(self.cfg.max_turns):
             live = [t for t in trajs if t.finish is None]
             if not live:
                 break
@@ -102,30 +120,72 @@ class AgentLoop:
                 for t in live:
                     t.finish = "abort"
                 break
-            results = engine.generate([self._request(t, turn) for t in live])
-            pending: list[tuple[_Trajectory, list[ToolCall | str], GenerationResult]] = []
-            for traj, res in zip(live, results):
-                traj.turns += 1
-                traj.version = res.weight_version if traj.version < 0 else traj.version
-                traj.extend(res.response_ids, res.logprobs)
-                if res.finish_reason == "abort":
-                    traj.finish = "abort"
-                    continue
-                text = self.tokenizer.decode(res.response_ids.tolist())
-                calls = parse_tool_calls(text, self.cfg.tool_call_pattern) if self.toolbox is not None else []
-                if calls:
-                    pending.append((traj, calls, res))
-                elif res.finish_reason != "stop":
-                    traj.finish = "length"  # the turn was cut before it answered
-                elif traj.env is not None:
-                    self._env_step(traj, text, res)
-                else:
-                    traj.finish = "stop"
-            self._run_tools(pending, last_turn=turn == self.cfg.max_turns - 1)
-        for t in trajs:
-            if t.finish is None:
-                t.finish = "length"
-        return [self._result(t) for t in trajs]
+            pending = self._model_turn(engine, live)
+            if pending:
+                began = time.monotonic()
+                outcomes = iter(self.toolbox.run([c for _, calls, _ in pending for c in calls]))
+                waited = time.monotonic() - began
+                self.stats["agent_engine_idle_s"] += waited  # the engine has nothing to do until all are back
+                for traj, calls, res in pending:
+                    self._deliver(traj, res, [next(outcomes) for _ in calls], waited)
+
+    def _run_as_ready(self, engine, trajs: list[_Trajectory], cancelled: Callable[[], bool]) -> None:
+        """Each trajectory's calls submitted without waiting; the engine takes every trajectory whose results are
+        back (in the requests' order) while the others' tools still run; it waits only when all of them wait."""
+        order = {id(t): i for i, t in enumerate(trajs)}
+        ready = [t for t in trajs if t.finish is None]
+        waiting: dict[int, tuple] = {}  # request index -> (trajectory, its model turn, its pending calls, since)
+        while ready or waiting:
+            if cancelled():
+                for t in ready + [w[0] for w in waiting.values()]:
+                    t.finish = "abort"  # a pending call's results are not waited for
+                return
+            if ready:
+                for traj, calls, res in self._model_turn(engine, ready):
+                    waiting[order[id(traj)]] = (traj, res, self.toolbox.start(calls), time.monotonic())
+            else:
+                began = time.monotonic()
+                self.toolbox.wait_any([w[2] for w in waiting.values()])
+                self.stats["agent_engine_idle_s"] += time.monotonic() - began
+            # next: those whose turn went on without a call (an environment's observation), and those whose
+            # results are back
+            going = {order[id(t)]: t for t in ready if t.finish is None and order[id(t)] not in waiting}
+            for i in sorted(waiting):
+                traj, res, handle, since = waiting[i]
+                if (outcomes := handle.poll()) is not None:
+                    del waiting[i]
+                    self._deliver(traj, res, outcomes, time.monotonic() - since)
+                    if traj.finish is None:
+                        going[i] = traj
+            ready = [going[i] for i in sorted(going)]
+
+    def _model_turn(self, engine, live: list[_Trajectory]) -> list[tuple[_Trajectory, list, GenerationResult]]:
+        """One engine call for the next turn of each of `live`; the trajectories whose turn called tools (with
+        their calls and the turn). A trajectory's turn k samples with `turn_seed` whatever shares the call."""
+        self.stats["agent_engine_calls"] += 1
+        results = engine.generate([self._request(t, t.turns) for t in live])
+        pending: list[tuple[_Trajectory, list[ToolCall | str], GenerationResult]] = []
+        for traj, res in zip(live, results):
+            traj.turns += 1
+            traj.version = res.weight_version if traj.version < 0 else traj.version
+            traj.extend(res.response_ids, res.logprobs)
+            if res.finish_reason == "abort":
+                traj.finish = "abort"
+                continue
+            text = self.tokenizer.decode(res.response_ids.tolist())
+            calls = parse_tool_calls(text, self.cfg.tool_call_pattern) if self.toolbox is not None else []
+            if calls and traj.turns >= self.cfg.max_turns:  # no turn left to read the results in
+                self.stats["agent_turn_limit"] += 1
+                traj.finish = "length"
+            elif calls:
+                pending.append((traj, calls, res))
+            elif res.finish_reason != "stop":
+                traj.finish = "length"  # the turn was cut before it answered
+            elif traj.env is not None:
+                self._env_step(traj, text, res)
+            else:
+                traj.finish = "stop"
+        return pending
 
     def _request(self, traj: _Trajectory, turn: int) -> GenerationRequest:
         r = traj.request
@@ -135,25 +195,16 @@ class AgentLoop:
         return GenerationRequest(sample_id=r.sample_id, prompt_ids=prompt, max_new_tokens=min(self.max_new_tokens, budget),
                                  temperature=r.temperature, top_p=r.top_p, seed=seed, images=r.images)
 
-    def _run_tools(self, pending, last_turn: bool) -> None:
-        """Every call of this turn in one pool run; each trajectory gets its results as one tool turn."""
-        if not pending:
-            return
-        if last_turn:  # no turn left to read the results in
-            for traj, _, _ in pending:
-                self.stats["agent_turn_limit"] += 1
-                traj.finish = "length"
-            return
-        flat = [c for _, calls, _ in pending for c in calls]
-        outcomes = iter(self.toolbox.run(flat))
-        for traj, calls, res in pending:
-            mine = [next(outcomes) for _ in calls]
-            for o in mine:
-                self.stats["agent_tool_calls"] += 1
-                self.stats["agent_tool_seconds"] += o.seconds
-                self.stats[f"agent_tool_{o.status}"] += 1
-                traj.tool_ok += o.status == "ok"
-            self._append(traj, [o.content for o in mine], res)
+    def _deliver(self, traj: _Trajectory, res: GenerationResult, outcomes: list, waited: float) -> None:
+        """A model turn's tool outcomes, back after `waited` seconds, appended as one tool turn."""
+        self.stats["agent_tool_turns"] += 1
+        self.stats["agent_tool_wait_s"] += waited
+        for o in outcomes:
+            self.stats["agent_tool_calls"] += 1
+            self.stats["agent_tool_seconds"] += o.seconds
+            self.stats[f"agent_tool_{o.status}"] += 1
+            traj.tool_ok += o.status == "ok"
+        self._append(traj, [o.content for o in outcomes], res)
 
     def _append(self, traj: _Trajectory, contents: list[str], res: GenerationResult, role: str | None = None) -> None:
         last = int(res.response_ids[-1]) if len(res.response_ids) and res.finish_reason == "stop" else None

@@ -3,6 +3,7 @@
     box = build_toolbox(cfg.agent)                       # imports what agent.tools names, nothing else
     box.schemas()                                        # [{"type": "function", "function": {...}}] for tools=
     outcomes = box.run([ToolCall("lookup", {"key": "ab"}), ...])   # one ToolOutcome per call, in order
+    pending = box.start(calls); pending.poll()           # the same without waiting: None until all are back
 
 Test: .venv/bin/python -m pytest tests/unit/test_agent_tools.py
 
@@ -11,11 +12,13 @@ the function: each parameter's annotation (int, float, str, bool, list, dict, an
 type, a parameter without a default is required, and the docstring's first paragraph is the description,
 its `name: text` lines the parameters' descriptions (Google style `Args:` sections read the same).
 
-A turn's calls run concurrently in a thread pool (`agent.tool_workers`). A malformed call, an unknown tool,
-arguments that do not fit the signature, a tool that raises or runs past `agent.tool_timeout_s`, or a result
-that is not text all come back as an error text the model reads (and are counted); the rank goes on. A
-timed-out Python function cannot be stopped from outside: its thread is left to finish and the pool grows a
-replacement, so a tool that hangs for good costs one thread per call (the sandboxed Python tool is killed).
+A turn's calls run concurrently in a thread pool (`agent.tool_workers`); `start` submits them and returns at
+once (`agent.turn_schedule: as_ready` submits each trajectory's calls so and polls them between engine calls).
+A malformed call, an unknown tool, arguments that do not fit the signature, a tool that raises or runs past
+`agent.tool_timeout_s`, or a result that is not text all come back as an error text the model reads (and are
+counted); the rank goes on. A timed-out Python function cannot be stopped from outside: its thread is left to
+finish and the pool grows a replacement, so a tool that hangs for good costs one thread per call (the sandboxed
+Python tool is killed).
 """
 from __future__ import annotations
 
@@ -131,6 +134,25 @@ def build_tool(spec: ToolSpec, cfg: AgentConfig, runnable: bool = True) -> Tool:
                 spec.description or description, spec.parameters or parameters)
 
 
+class PendingCalls:
+    """Calls submitted to a `ToolBox`'s pool (`ToolBox.start`): `poll()` is their outcomes, in order, once every
+    call finished or ran out of time, None before; it never blocks."""
+
+    def __init__(self, box: ToolBox, calls: list, queue_deadline: float) -> None:
+        self.box, self.calls, self.queue_deadline = box, calls, queue_deadline
+        self.outcomes: dict[int, ToolOutcome] = {}
+        self.running: dict[int, tuple[futures.Future, list[float]]] = {}
+
+    def poll(self) -> list[ToolOutcome] | None:
+        now = time.monotonic()
+        for i, (future, began) in list(self.running.items()):
+            outcome = self.box._outcome(self.calls[i], future, began, self.queue_deadline, now)
+            if outcome is not None:
+                self.outcomes[i] = outcome
+                del self.running[i]
+        return None if self.running else [self.outcomes[i] for i in range(len(self.calls))]
+
+
 class ToolBox:
     """The run's tools and the pool their calls run in."""
 
@@ -140,27 +162,44 @@ class ToolBox:
         self.timeout_s, self.max_output_chars, self.workers = timeout_s, max_output_chars, workers
         self._pool = futures.ThreadPoolExecutor(workers, thread_name_prefix="tool")
         self._lock = threading.Lock()
+        self._live: list[futures.Future] = []  # calls submitted and not yet finished, for the queue deadline
 
     def schemas(self) -> list[dict]:
         return [t.schema() for t in self.tools.values()]
 
     def run(self, calls: Sequence[ToolCall | str]) -> list[ToolOutcome]:
         """Every call's outcome, in order; a str is a call that could not be parsed (its error text)."""
-        pending = {i: self._submit(c) for i, c in enumerate(calls) if isinstance(c, ToolCall) and c.name in self.tools}
-        # a call's limit runs from when a worker starts it; one still queued gives up once every queued call
-        # could have used its whole limit (all workers stuck in calls that never return)
-        rounds = -(-len(pending) // self.workers) + 1
-        queue_deadline = time.monotonic() + rounds * self.timeout_s
-        out: list[ToolOutcome] = []
+        pending = self.start(calls)
+        while (out := pending.poll()) is None:
+            self.wait_any([pending])
+        return out
+
+    def start(self, calls: Sequence[ToolCall | str]) -> PendingCalls:
+        """Submit `calls` to the pool without waiting: `poll()` the handle for their outcomes, in order."""
+        now = time.monotonic()
+        self._live = [f for f in self._live if not f.done()]
+        runnable = [i for i, c in enumerate(calls) if isinstance(c, ToolCall) and c.name in self.tools]
+        # a call's limit runs from when a worker starts it; one still queued gives up once every call queued
+        # before it and with it could have used its whole limit (all workers stuck in calls that never return)
+        rounds = -(-(len(self._live) + len(runnable)) // self.workers) + 1
+        pending = PendingCalls(self, list(calls), now + rounds * self.timeout_s)
+        for i in runnable:
+            pending.running[i] = self._submit(calls[i])
+            self._live.append(pending.running[i][0])
         for i, call in enumerate(calls):
             if isinstance(call, str):
-                out.append(ToolOutcome("", f"error: {call}", "error", 0.0))
-            elif i not in pending:
+                pending.outcomes[i] = ToolOutcome("", f"error: {call}", "error", 0.0)
+            elif i not in pending.running:
                 known = ", ".join(sorted(self.tools)) or "none"
-                out.append(ToolOutcome(call.name, f"error: unknown tool {call.name!r}; tools: {known}", "error", 0.0))
-            else:
-                out.append(self._collect(call, *pending[i], queue_deadline))
-        return out
+                pending.outcomes[i] = ToolOutcome(call.name, f"error: unknown tool {call.name!r}; tools: {known}",
+                                                  "error", 0.0)
+        return pending
+
+    def wait_any(self, handles: Sequence[PendingCalls], timeout: float = POLL_S) -> None:
+        """Sleep until a call of `handles` finishes, or at most `timeout` (a call's clock may run out meanwhile)."""
+        running = [f for h in handles for f, _ in h.running.values()]
+        if running:
+            futures.wait(running, timeout=timeout, return_when=futures.FIRST_COMPLETED)
 
     def _submit(self, call: ToolCall) -> tuple[futures.Future, list[float]]:
         """The call's future, and a list that holds the time a worker started it (empty while queued)."""
@@ -184,28 +223,28 @@ class ToolBox:
         with self._lock:
             return self._pool.submit(invoke), began
 
-    def _collect(self, call: ToolCall, future: futures.Future, began: list[float], queue_deadline: float) -> ToolOutcome:
+    def _outcome(self, call: ToolCall, future: futures.Future, began: list[float], queue_deadline: float,
+                 now: float) -> ToolOutcome | None:
+        """The call's outcome: its result, a timeout once its clock ran out, or None while it may still finish."""
+        if future.done():
+            text, status, seconds = future.result()
+            return ToolOutcome(call.name, _cut(text, self.max_output_chars), status, seconds)
         limit = self.timeout_s + (5.0 if isinstance(self.tools[call.name].fn, PythonSandbox) else 0.0)
-        while True:
-            try:
-                text, status, seconds = future.result(timeout=POLL_S)
-                return ToolOutcome(call.name, _cut(text, self.max_output_chars), status, seconds)
-            except futures.TimeoutError:
-                now = time.monotonic()
-                if began and now - began[0] > limit:
-                    self._replace_stuck_worker()
-                    return ToolOutcome(call.name, f"error: {call.name} timed out after {self.timeout_s:g} s",
-                                       "timeout", now - began[0])
-                if not began and now > queue_deadline:
-                    return ToolOutcome(call.name, f"error: {call.name} waited past {self.timeout_s:g} s for a free "
-                                       "tool worker (agent.tool_workers are stuck in calls that timed out)",
-                                       "timeout", 0.0)
+        if began and now - began[0] > limit:
+            self._replace_stuck_worker()
+            return ToolOutcome(call.name, f"error: {call.name} timed out after {self.timeout_s:g} s", "timeout",
+                               now - began[0])
+        if not began and now > queue_deadline:
+            return ToolOutcome(call.name, f"error: {call.name} waited past {self.timeout_s:g} s for a free tool "
+                               "worker (agent.tool_workers are stuck in calls that timed out)", "timeout", 0.0)
+        return None
 
     def _replace_stuck_worker(self) -> None:
         """A thread stuck in a timed-out call keeps its worker: later calls get a pool of their own."""
         with self._lock:
             self._pool.shutdown(wait=False)
             self._pool = futures.ThreadPoolExecutor(self.workers, thread_name_prefix="tool")
+            self._live = []  # the new pool runs none of them
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -13,7 +13,7 @@ rollout ranks. Without tools or an environment the section is off and a rollout 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -102,6 +102,13 @@ class AgentConfig(Section):
     the tools group (`placement.tools`)."""
     max_tool_output_chars: int = Field(2000, ge=16)
     """Characters of one tool result the model reads; the rest is cut and says so."""
+    turn_schedule: Literal["lockstep", "as_ready"] = "lockstep"
+    """How a chunk's trajectories take their turns. `lockstep`: every live trajectory's next turn goes to the engine
+    in one call once the whole turn's tool calls are back, so each engine call's batch is a function of the data
+    and runs are bitwise reproducible. `as_ready`: each trajectory's calls are submitted without waiting and the
+    engine is called for the trajectories whose results are back while others still wait on tools; a slow tool
+    holds back only its own trajectory, but which trajectories share an engine call depends on tool timing, so
+    log-probs differ at float-noise level and a run is not bitwise reproducible (docs/agentic.md)."""
     sandbox: SandboxConfig = SandboxConfig()
     """The limits of every program run in the sandbox: the built-in Python tool's calls and the `code` reward
     term's tests (only with a `builtin:python` tool or a code term)."""
@@ -122,6 +129,9 @@ class AgentConfig(Section):
         if self.environment_args and self.environment is None:
             raise ValueError("agent.environment_args is set without agent.environment; name the environment class "
                              "or drop environment_args")
+        if self.turn_schedule == "as_ready" and not self.tools:
+            raise ValueError("agent.turn_schedule='as_ready' lets trajectories go on while others wait on tools, and "
+                             "agent.tools is empty: there is no call to wait on; add a tool or use 'lockstep'")
         try:
             groups = re.compile(self.tool_call_pattern, re.DOTALL).groups
         except re.error as err:

@@ -35,7 +35,7 @@ Point-to-point traffic of a wave (tags in `comm/transport.py`), around those gat
     partial rollouts (training waves): no STOP/END; the rollout ranks generate in segments, each followed by an
                    Iallreduce on the rollout group (which replicas have their groups), then send every row;
                    GenRM waits for all of them and sends the owner its kept groups scored and the rest as they are
-    tools group    rollout: TAG_TOOL_CALLS -> a tool rank, <- TAG_TOOL_RESULTS (per agent turn), and
+    tools group    rollout: TAG_TOOL_CALLS -> a tool rank, <- TAG_TOOL_RESULTS (numbered requests, answered in any order), and
                    TAG_CODE_RUNS -> a tool rank, <- TAG_CODE_RESULTS (a code reward term, per engine call), then
                    TAG_TOOLS_DONE -> every tool rank before `gate generated`; a tool rank serves until every
                    rollout rank is done, then crosses both gates (agent/tools_group.py)

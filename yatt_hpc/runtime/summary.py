@@ -142,8 +142,10 @@ def _moe(reports: list[dict]) -> dict[str, float]:
 def _agent(reports: list[dict]) -> dict[str, float]:
     """`agent/...`: multi-turn rollouts (agent:): turns per trajectory, tool calls and their outcomes, the mean
     tool latency (a call's own seconds, wherever it ran), the share of trajectories with a successful call, tokens
-    the model did not sample (masked); with a tools group, the calls its ranks ran and the longest time one of
-    them spent running calls in the step."""
+    the model did not sample (masked); the engine calls the turns took, the mean time a trajectory waited for a
+    tool turn's results (from its calls' submission), and the time the rollout ranks' loops had no engine call to
+    make because every live trajectory waited on tools (summed over rollout ranks); with a tools group, the calls
+    its ranks ran and the longest time one of them had calls running in the step."""
     trajectories = _sum(reports, "agent_trajectories", "rollout")
     if not trajectories:
         return {}
@@ -164,7 +166,11 @@ def _agent(reports: list[dict]) -> dict[str, float]:
             "agent/masked_tokens": _sum(reports, "agent_masked_tokens", "rollout"),
             "agent/masked_fraction": _sum(reports, "agent_masked_tokens", "rollout")
             / max(_sum(reports, "agent_response_tokens", "rollout"), 1.0),
-            "agent/env_errors": _sum(reports, "agent_env_errors", "rollout")}
+            "agent/env_errors": _sum(reports, "agent_env_errors", "rollout"),
+            "agent/engine_calls": _sum(reports, "agent_engine_calls", "rollout"),
+            "agent/tool_wait_mean_s": _sum(reports, "agent_tool_wait_s", "rollout")
+            / max(_sum(reports, "agent_tool_turns", "rollout"), 1.0),
+            "agent/engine_idle_s": _sum(reports, "agent_engine_idle_s", "rollout")}
 
 
 def _code(reports: list[dict]) -> dict[str, float]:
