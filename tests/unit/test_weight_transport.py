@@ -43,8 +43,10 @@ def test_auto_takes_mpi_on_cpu_and_with_the_hf_engine(name):
 def test_auto_on_a_disjoint_gpu_job_broadcasts_to_every_engine():
     got = transports("qwen2_7b_disjoint_1024gpu")
     assert len(got) == 192 and set(got.values()) == {"collective"}  # engines have nodes of their own
-    got = transports("qwen3_30b_a3b_disjoint_h200")  # the MoE policy's 16 engines, every expert to each
+    # the MoE policy's 16 engines, every expert to each: at ep 1 by broadcast; its ep 8 has 8 senders an engine (mpi)
+    got = transports("qwen3_30b_a3b_disjoint_h200", "placement.trainer.ep=1")
     assert len(got) == 16 and set(got.values()) == {"collective"}
+    assert set(transports("qwen3_30b_a3b_disjoint_h200").values()) == {"mpi"}
 
 
 def test_auto_on_colocated_gpus_takes_ipc_only_where_an_engine_shares_its_owners_gpu():
