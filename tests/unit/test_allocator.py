@@ -40,3 +40,27 @@ def test_a_step_reuses_what_the_last_one_freed_without_faulting_it_in_again():
 def test_the_users_own_glibc_variables_are_left_alone():
     said = keep_freed_memory({"MALLOC_TRIM_THRESHOLD_": "0"})
     assert said == "malloc thresholds left as the environment sets them"
+
+
+# With the thresholds kept, 48 MiB freed stays resident; `give_back_freed_memory` returns it when the heap holds at
+# least what it is asked for, and leaves a smaller free heap alone.
+GIVE_BACK = """
+import sys
+import numpy as np, psutil
+from yatt_hpc.runtime.allocator import give_back_freed_memory, keep_freed_memory
+keep_freed_memory()
+blocks = [np.ones(6 << 17) for _ in range(8)]  # 48 MiB from the heap, every page written
+del blocks
+rss = psutil.Process().memory_info().rss
+small = give_back_freed_memory(at_least=1 << 40)
+after_small = psutil.Process().memory_info().rss
+freed = give_back_freed_memory(at_least=32 << 20)
+print(small, (rss - after_small) >> 20, freed >> 20, (after_small - psutil.Process().memory_info().rss) >> 20)
+"""
+
+
+def test_a_large_free_heap_goes_back_to_the_kernel_and_a_small_one_stays():
+    done = subprocess.run([sys.executable, "-c", GIVE_BACK], capture_output=True, text=True, check=True)
+    small, kept_mb, freed_mb, returned_mb = map(int, done.stdout.split())
+    assert small == 0 and kept_mb < 8  # below the bar: nothing trimmed, the 48 MiB still resident
+    assert freed_mb >= 40 and returned_mb >= 40, done.stdout  # past it: the heap's free memory left the process

@@ -20,6 +20,8 @@ import os
 import sys
 from contextlib import contextmanager
 
+from yatt_hpc.runtime.allocator import give_back_freed_memory
+
 _THREADS = (0, 0)  # (idle, active) torch threads; 0: leave torch's setting alone (tests, tools)
 
 
@@ -52,6 +54,7 @@ def release(stats, thing) -> None:
         _threads(_THREADS[0])
         with stats.phase("release"):
             thing.release_memory()
+            give_back_freed_memory()  # host memory in turns too, when the phase freed a lot (runtime/allocator.py)
 
 
 @contextmanager

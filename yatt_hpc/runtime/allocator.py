@@ -1,6 +1,7 @@
 """Host memory a step frees stays with the process for the next step (glibc malloc).
 
     kept = keep_freed_memory()     # once per rank, before the first step (runtime/worker.py)
+    give_back_freed_memory()       # a colocated phase ends (roles/colocation.py): a large free heap goes back
 
 Why: by default glibc hands a large block (past a threshold that adapts up to 32 MiB) straight back
 to the kernel when it is freed, and trims the heap's free top once it passes twice that. A rank that
@@ -17,6 +18,11 @@ and the heap's free top is returned only past `TRIM_THRESHOLD`. Blocks larger th
 ceiling are still mapped per use. A user who sets glibc's own variables (MALLOC_MMAP_THRESHOLD_,
 MALLOC_TRIM_THRESHOLD_, which glibc has applied at start) keeps them; on another C library nothing
 changes.
+
+The exception is colocation, where phases take the memory in turn as they take the cores: when a rank's
+phase ends with at least `GIVE_BACK_BYTES` free in its heap (a real-size trainer's activations: GBs), the
+heap is trimmed (`malloc_trim`) so the next phase's rank can have it; the next step faults those pages in
+again. A small working set (the demo's) stays.
 """
 from __future__ import annotations
 
@@ -41,3 +47,27 @@ def keep_freed_memory(environ=os.environ) -> str:
     if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
         return "malloc thresholds unchanged (mallopt refused)"
     return f"freed memory kept for reuse (malloc mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold 2 GiB)"
+
+
+GIVE_BACK_BYTES = 1 << 30
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def give_back_freed_memory(at_least: int = GIVE_BACK_BYTES) -> int:
+    """Trim the heap when it holds at least `at_least` free bytes; the free bytes it held (0: left as it is, or
+    not glibc)."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallinfo2, malloc_trim = libc.mallinfo2, libc.malloc_trim
+    except (OSError, AttributeError):
+        return 0
+    mallinfo2.restype, malloc_trim.argtypes = _Mallinfo2, [ctypes.c_size_t]
+    free = int(mallinfo2().fordblks)
+    if free < at_least:
+        return 0
+    malloc_trim(0)
+    return free
