@@ -59,6 +59,7 @@ from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.roles.samples import TermLabels, sample_rows, samples_due
 from yatt_hpc.roles.update_steps import UpdateSteps
 from yatt_hpc.roles.validation import HeldOut
+from yatt_hpc.runtime.allocator import give_back_freed_memory
 from yatt_hpc.runtime.rank_stats import RankStats
 from yatt_hpc.sched.balance import balance_coeff
 from yatt_hpc.sched.dynamic_sampling import DynamicSampler, has_signal
@@ -148,6 +149,9 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
         with holding_devices(self.stats, self.policy, self.colocate):   # rollout and GenRM had them
             with self.stats.phase("train"):
                 update = self.train_on(batch, step, values)
+            if self.colocate:  # the engines' weights arrive next: the update's gradients and activations go first
+                self.policy.drop_gradients()
+                give_back_freed_memory()
             with self.stats.phase("weight_sync"):
                 self.sync_weights()
         self.critic_update(batch, step)                     # and its second: the value loss

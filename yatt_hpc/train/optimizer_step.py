@@ -23,6 +23,10 @@ class OptimizerStep:
     """`MegatronPolicy` provides `model`, `named_params`, `master`, `optimizer`, `sharded`, `mixed`, `lora`,
     `experts`, `pipeline`, the groups and `cfg`."""
 
+    def drop_gradients(self) -> None:
+        """Free the last update's gradients (the next update starts from none)."""
+        self._zero_grads()
+
     def _zero_grads(self) -> None:
         for p in self.named_params.values():
             p.grad = None
