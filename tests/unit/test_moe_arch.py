@@ -77,6 +77,19 @@ def test_what_megatron_would_compute_differently_is_refused_naming_the_field(fie
         describe_hf_config(config, tp_size=2)
 
 
+def test_expert_parallelism_with_a_dense_policy_is_refused(monkeypatch):
+    from transformers import Qwen2Config
+
+    from yatt_hpc.moe import layers
+
+    monkeypatch.setattr(layers, "expert_parallel_size", lambda: 2)
+    dense = describe_hf_config(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=64), tp_size=1)
+    with pytest.raises(ValueError, match=r"placement.trainer.ep=2 but the policy \(qwen2\) has no experts"):
+        refuse_unsupported_moe(dense, False, "none", 1)
+    refuse_unsupported_moe(describe_hf_config(tiny_moe_config(), tp_size=1), False, "none", 1)  # a MoE policy: fine
+
+
 @pytest.mark.parametrize("lora, recompute, pp, field", [
     pytest.param(True, "none", 1, "train.lora.rank > 0", id="lora"),
     pytest.param(False, "full", 1, "train.recompute='full'", id="recompute"),
