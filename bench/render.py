@@ -120,11 +120,13 @@ BENCHES = [
         "from a decode step of few ops. Start-up is imports and model builds on every rank, and moves most with "
         "machine load. B9 needs TRL's venv (`bash bench/peers/setup.sh`).")),
     Bench("B9r", "peer_trl_real", run=False, limits=(
-        "At Qwen2.5-0.5B's shape both targets are missed. Memory: the rollout engine holds its own copy of the "
-        "weights beside the trainer's (on a GPU the engine frees it between phases; on CPU it stays resident), "
-        "so three processes together exceed TRL's one. Time: the trainer runs 4-sample micro-batches with full "
-        "recomputation (a second forward per micro-batch) to stay under TRL's memory, and the 3 ranks share 2 "
-        "cores with one another, where TRL's one process has both. Run by hand (~17 min; needs TRL's venv).")),
+        "Memory is under TRL's: in CPU colocation the engine frees its weights until the sync refills them, the "
+        "trainer frees its gradients before the sync, and a phase that ends with a large free heap gives it back, "
+        "so three processes together hold less than TRL's one. Time is not: the trainer runs 4-sample "
+        "micro-batches with full recomputation (a second forward per micro-batch), the weight sync moves the "
+        "whole model between processes every step (TRL generates with the model it trains), and the 3 ranks "
+        "share 2 cores with one another, where TRL's one process has both. Run by hand (~12 min; needs TRL's "
+        "venv).")),
     Bench("B10", "ckpt_memory", limits=(
         "A save's staging copy is the rank's whole tensor state (fp32 parameters and AdamW moments, ~12 bytes a "
         "parameter) up to checkpoint.staging_mb; past the cap the rest is written before the step goes on, so "
