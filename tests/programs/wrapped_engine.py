@@ -41,6 +41,9 @@ class WrappedEngine(BaseEngine):
     def release_memory(self) -> None:
         self.inner.release_memory()
 
+    def drop_weights(self) -> int:
+        return self.inner.drop_weights()
+
     def resume_memory(self) -> None:
         self.inner.resume_memory()
 

@@ -244,6 +244,11 @@ class BaseEngine(abc.ABC):
         colocated NeMo-RL#191 and verl PR#729.
         """
 
+    def drop_weights(self) -> int:
+        """Free the weights a full weight sync is about to replace (CPU colocation, between the last wave and the
+        sync); the bytes freed. This default keeps them (0); the `hf` engine frees them (`hf_weights.py`)."""
+        return 0
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Free everything; the engine is unusable afterwards. Calling it twice is harmless."""
