@@ -188,8 +188,8 @@ _LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_f
                  NotImplementedError, "mscale", id="rope-key-megatron-does-not-read"),
     pytest.param("llama-gqa-untied-vocab61", {"num_key_value_heads": 1}, ValueError,
                  "num_kv_heads=1", id="kv-heads-not-divisible-by-tp"),
-    pytest.param("qwen3-qk-norm-untied-vocab61", {"model_type": "qwen2_moe"}, ValueError,
-                 "model_type='qwen2_moe'", id="unsupported-model-type"),
+    pytest.param("qwen3-qk-norm-untied-vocab61", {"model_type": "mixtral"}, ValueError,
+                 "model_type='mixtral'", id="unsupported-model-type"),
 ])
 def test_configs_megatron_cannot_express_fail_naming_the_field_and_value(case, overrides, error, named):
     with pytest.raises(error, match=named):
