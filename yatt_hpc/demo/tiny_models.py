@@ -47,13 +47,7 @@ def char_qwen3_moe(hidden: int = 32, layers: int = 2, experts: int = 4, topk: in
                             norm_topk_prob=True, router_aux_loss_coef=aux_loss_coef, max_position_embeddings=n_positions,
                             tie_word_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                             pad_token_id=tok.pad_id)
-    if seed is not None:
-        torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():  # HF starts the router at zero, every expert tied: give each token a preference
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
-    return model
+    return _seeded_moe(Qwen3MoeForCausalLM, config, seed)
 
 
 def char_qwen2_moe(hidden: int = 32, layers: int = 2, experts: int = 4, topk: int = 2, n_positions: int = 64,
@@ -70,10 +64,16 @@ def char_qwen2_moe(hidden: int = 32, layers: int = 2, experts: int = 4, topk: in
                             num_experts_per_tok=topk, norm_topk_prob=True, router_aux_loss_coef=aux_loss_coef,
                             max_position_embeddings=n_positions, tie_word_embeddings=True, bos_token_id=tok.bos_id,
                             eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    return _seeded_moe(Qwen2MoeForCausalLM, config, seed)
+
+
+def _seeded_moe(model_class, config, seed: int | None):
+    """`model_class(config)` seeded, its routers drawn: HF starts a router at zero, every expert tied, so each
+    token gets a preference."""
     if seed is not None:
         torch.manual_seed(seed)
-    model = Qwen2MoeForCausalLM(config)
-    with torch.no_grad():  # HF starts the router at zero, every expert tied: give each token a preference
+    model = model_class(config)
+    with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0.0, 0.5)
     return model
