@@ -11,7 +11,7 @@ bench/peers/trl_grpo.py. Both sides start from the same weights, read the same p
 samples, lr 3e-4 constant, clip [0.2, 0.28], KL 0.001, temperature 1.0, seeded. yatt-hpc is
 `yatt-hpc run configs/demo_cpu.yaml --set reward.mode=rule_only` (4 MPI ranks: 2 trainers, rollout,
 GenRM scoring by rule), no checkpoints between steps, no TensorBoard; TRL is one process, fp32, no
-gradient checkpointing, nothing saved, with the glibc malloc thresholds our ranks set for themselves
+gradient checkpointing, nothing saved, with the glibc malloc settings our ranks make for themselves
 (`runtime/allocator.py`), given through glibc's own variables. Two shapes: `demo` (models/demo/policy, 0.16 M parameters,
 12-token responses, 30 steps) and `wide` (a seeded random GPT-2 of ~3.2 M parameters built here, 256
 wide, 4 layers, 48-token responses, 6 steps). The sides take turns (yatt, trl, yatt, trl...).
@@ -48,7 +48,7 @@ from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
 from rich.markup import escape
 
 from yatt_hpc.metrics.writer import step_rows
-from yatt_hpc.runtime.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
+from yatt_hpc.runtime.allocator import GLIBC_ENVIRONMENT
 
 PEERS = REPO / "bench" / "peers"
 PEER_PYTHON = PEERS / ".venv" / "bin" / "python"
@@ -161,10 +161,9 @@ def run_trl(model: str, shape: dict, rows: Path, root: Path, tag: str) -> dict:
     out = root / f"trl-{tag}.json"
     argv = [str(PEER_PYTHON), str(PEERS / "trl_grpo.py"), "--model", model, "--rows", str(rows),
             "--steps", str(shape["steps"]), "--max-completion-length", str(shape["max_new_tokens"]), "--out", str(out)]
-    # the glibc thresholds every yatt-hpc rank sets for itself (runtime/allocator.py), through glibc's own
+    # the glibc settings every yatt-hpc rank makes for itself (runtime/allocator.py), through glibc's own
     # variables: a TRL user can have them too, so the comparison is not of allocator settings
-    malloc = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
-    start = launch(argv, root / f"trl-{tag}.log", env={**os.environ, **malloc})
+    start = launch(argv, root / f"trl-{tag}.log", env={**os.environ, **GLIBC_ENVIRONMENT})
     wall = time.time() - start
     data = json.loads(out.read_text())
     marks = {"imports done": data["marks"]["imports_done"], "GRPOTrainer built": data["marks"]["trainer_built"],

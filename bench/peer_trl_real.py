@@ -11,7 +11,7 @@ random policy never ends one early, so every response has the cap's length on bo
 constant lr 3e-4, clip [0.2, 0.28], the same rule reward (0 for a random policy: the step still does all its
 work), and the same KL setting: none (`train.kl_coef: 0`, TRL `beta=0`), so neither side builds a reference
 model. TRL is one process, fp32, its whole batch in one micro-batch, no gradient checkpointing, with the glibc
-malloc thresholds our ranks set for themselves. yatt-hpc runs 3 MPI ranks: one trainer (dp=1), one HF rollout
+malloc settings our ranks make for themselves. yatt-hpc runs 3 MPI ranks: one trainer (dp=1), one HF rollout
 engine, one GenRM rank scoring by rule; its trainer passes the batch in micro-batches of --micro-batch samples
 with full activation recomputation (`train.recompute: full`) and the chunked log-prob path.
 
@@ -43,7 +43,7 @@ from peer_trl import PEER_PYTHON, PEERS, commit, log_time, yatt_phases
 from real_size import build_policy, write_problems
 
 from yatt_hpc.metrics.writer import step_rows
-from yatt_hpc.runtime.allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
+from yatt_hpc.runtime.allocator import GLIBC_ENVIRONMENT
 
 STEP_TARGET, MEMORY_TARGET = 0.8, 1.0
 GENERATIONS = 8
@@ -122,8 +122,7 @@ def run_trl(model: str, rows: Path, root: Path, tag: str, args) -> dict:
     argv = [str(PEER_PYTHON), str(PEERS / "trl_grpo.py"), "--model", model, "--tokenizer", model, "--rows", str(rows),
             "--steps", str(args.steps), "--max-completion-length", str(args.max_new_tokens),
             "--batch-size", str(args.prompts * GENERATIONS), "--beta", "0", "--out", str(out)]
-    malloc = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
-    start, peak = launch(argv, root / f"trl-{tag}.log", {**os.environ, **malloc})
+    start, peak = launch(argv, root / f"trl-{tag}.log", {**os.environ, **GLIBC_ENVIRONMENT})
     data = json.loads(out.read_text())
     gen = data["phases"]["generate"]
     return {"cycle_s": list(np.diff(data["begins"])), "step_s": data["step_s"],

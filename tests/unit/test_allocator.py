@@ -37,9 +37,21 @@ def test_a_step_reuses_what_the_last_one_freed_without_faulting_it_in_again():
     assert kept < default / 20, (kept, default)
 
 
+# A block past glibc's 32 MiB mapping ceiling (a real-size vocabulary's logits chunk, an embedding's gradient) is
+# mapped per use by default, so each round faults all of its 64 MiB in again; kept, it is reused.
+BIG_ROUNDS = ROUNDS.replace("np.ones(6 << 17) for _ in range(8)", "np.ones(8 << 20) for _ in range(1)")
+
+
+def test_a_block_past_the_mapping_ceiling_is_reused_too():
+    default, kept = (int(subprocess.run([sys.executable, "-c", BIG_ROUNDS, mode], capture_output=True, text=True,
+                                        check=True).stdout) for mode in ("default", "keep"))
+    assert default > 4 * 32  # 4 rounds x at least 32 pages (2 MiB ones where the kernel gives huge pages)
+    assert kept < default / 20, (kept, default)
+
+
 def test_the_users_own_glibc_variables_are_left_alone():
-    said = keep_freed_memory({"MALLOC_TRIM_THRESHOLD_": "0"})
-    assert said == "malloc thresholds left as the environment sets them"
+    for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_"):
+        assert keep_freed_memory({name: "0"}) == "malloc thresholds left as the environment sets them"
 
 
 # With the thresholds kept, 48 MiB freed stays resident; `give_back_freed_memory` returns it when the heap holds at
