@@ -415,8 +415,9 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
         return f"trainer/dp{self.dp_rank}/tp{self.tp_rank}/pp{self.pp_rank}"
 
     @property
-    def shard(self) -> dict[str, int]:
-        return {"tp": self.tp_rank, "pp": self.pp_rank}
+    def shard(self) -> dict:
+        """This rank's model shard as `CheckpointManager.load_from` reads it: tensor and pipeline rank, stage split."""
+        return {"tp": self.tp_rank, "pp": self.pp_rank, "split": self.cfg.placement.trainer.pp_layers}
 
     def light_state(self, step: int) -> dict:
         """RNG, data position (with returned prompts), sampler and routing state: all that changes
