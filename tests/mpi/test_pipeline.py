@@ -96,6 +96,20 @@ def test_uneven_stages_equal_pp1(mpirun, tmp_path, pp, split):
     assert held == set(range(int(split.split(",")[0]))), held
 
 
+@full_matrix_only  # four more launches (~90 s on 2 busy cores): tensor shards and adapters on uneven stages
+def test_uneven_stages_with_tp2_and_with_lora_equal_pp1(mpirun, tmp_path):
+    """tp2 x (3 + 1 layers) agrees with pp=1 to the tensor-parallel reductions; LoRA's adapters on 3 + 1 layers
+    start as the whole model's (seeded by global layer) and give the same merged weights after one update."""
+    _run(mpirun, tmp_path / "full", CASE, 1, 1, "--layers", "4")
+    _run(mpirun, tmp_path / "full", CASE, 2, 2, "--layers", "4", "--pp-layers", "3,1")
+    whole, staged = _merged(tmp_path / "full", 1, 1), _merged(tmp_path / "full", 2, 2, "-layers3-1")
+    assert set(whole) == set(staged) and all(_relative(whole[k], staged[k]) < 1e-5 for k in whole)
+    _run(mpirun, tmp_path / "lora", CASE, 1, 1, "--layers", "4", "--lora", "4")
+    _run(mpirun, tmp_path / "lora", CASE, 1, 2, "--layers", "4", "--lora", "4", "--pp-layers", "3,1")
+    whole, staged = _merged(tmp_path / "lora", 1, 1), _merged(tmp_path / "lora", 1, 2, "-layers3-1")
+    assert set(whole) == set(staged) and all(_relative(whole[k], staged[k]) < 1e-6 for k in whole)
+
+
 def test_tp2_pp2_equals_pp1(updates):
     out = updates / "padded"
     whole, staged = _merged(out, 1, 1), _merged(out, 2, 2)

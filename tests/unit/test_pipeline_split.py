@@ -106,6 +106,8 @@ def test_the_plan_shows_each_stages_layers():
     even = _cfg(*_pp(3))
     assert "2: trainer ranks 2-2 with layers 2-2" in pipeline_text(plan(even), None, 3)
     assert "with layers" not in pipeline_text(plan(even), None, None)  # the model's config.json not readable
+    bad = _cfg(*_pp(2, "placement.trainer.pp_layers=[1,1]"))
+    assert "refused at start: placement.trainer.pp_layers=[1, 1]" in pipeline_text(plan(bad), (1, 1), 3)
 
 
 def test_uneven_stages_split_and_merge_bitwise():

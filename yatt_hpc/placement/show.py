@@ -111,7 +111,8 @@ def pipeline_text(p: Plan, split: tuple[int, int] | None = None, num_layers: int
     pp, stride = g.size("pp"), g.size("tp") * g.size("cp") * g.size("dp")
     if pp == 1:
         return None
-    known = num_layers is not None and split_problem(num_layers, pp, split) is None
+    problem = None if num_layers is None else split_problem(num_layers, pp, split)
+    known = num_layers is not None and problem is None
 
     def held(s: int) -> str:
         layers = stage_layers(s, pp, num_layers, split) if known else None
@@ -121,7 +122,8 @@ def pipeline_text(p: Plan, split: tuple[int, int] | None = None, num_layers: int
     shares = f"of 1/{pp} of the layers each" if split is None else \
         f"of uneven layers (placement.trainer.pp_layers: {split[0]} on the first, {split[1]} on the last, the rest " \
         "evenly between)"
-    return (f"pipeline: pp={pp} stages {shares} ({ranks}); stage 0 also holds the embeddings, "
+    refused = f"; refused at start: {problem}" if problem else ""
+    return (f"pipeline: pp={pp} stages {shares} ({ranks}{refused}); stage 0 also holds the embeddings, "
             f"stage {pp - 1} the final norm and the head; Megatron's 1F1B schedule keeps up to pp-s micro-batches' "
             f"activations on stage s; each stage's tp-rank-0 of a replica sends its own layers to the engines")
 

@@ -495,7 +495,8 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
             raise InputError(f"checkpoint step-{restored.step} of " + ("a run with a critic (train.adv_estimator=gae)"
                              if self.critic is not None else "an asynchronous run (its batches generated ahead of "
                              "their step wait on their replicas)") + " resumes in the trainer layout it was written "
-                             f"with (dp={saved['dp']} tp={saved['tp']} pp={saved['pp']})")
+                             f"with (dp={saved['dp']} tp={saved['tp']} pp={saved['pp']}, "
+                             f"{Shards(split=restored.pipeline_split).stages_text()})")
         saved_shards = Shards(saved["tp"], saved["pp"], restored.pipeline_split)
         shard = Shards(now["tp"], now["pp"], self.cfg.placement.trainer.pp_layers)
         model = reshard_weights(restored.step_dir, self.policy.hf_config, saved_shards, self.tp_rank, self.pp_rank, shard)
