@@ -49,8 +49,6 @@ class TrainerPlacement(GroupPlacement):
     (each expert split over tp as a dense MLP is). Megatron-Core requires ep to divide dp (its expert tensor
     parallelism stays tp). Only 1 runs today: the planner checks a larger ep against the layout, then refuses it
     (docs/moe.md)."""
-
-
     pp_layers: tuple[int, int] | None = None
     """Uneven pipeline stages: the transformer layers of the first and of the last stage, `[first, last]`; the
     stages between split the rest evenly (Megatron's ``num_layers_in_first_pipeline_stage`` and
