@@ -98,7 +98,9 @@ def plan_cmd(config_path: str, overrides: tuple[str, ...], run_dir: str, as_sbat
     console = Console()
     if not console.is_terminal:
         console = Console(width=140)  # pipes and logs: keep table rows on one line
-    print_plan(p, run_dir, console, python=sys.executable, cfg=cfg)
+    from yatt_hpc.runtime.inputs import policy_layer_count
+
+    print_plan(p, run_dir, console, python=sys.executable, cfg=cfg, num_layers=policy_layer_count(cfg))
 
 
 @main.command("run")

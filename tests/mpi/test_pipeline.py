@@ -34,10 +34,10 @@ def _run(mpirun, out, case: str, tp: int, pp: int, *extra: str) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-def _merged(out, tp: int, pp: int) -> dict[str, np.ndarray]:
+def _merged(out, tp: int, pp: int, tag: str = "") -> dict[str, np.ndarray]:
     merged: dict[str, np.ndarray] = {}
     for stage in range(pp):
-        part = dict(np.load(out / f"tp{tp}pp{pp}-stage{stage}.npz"))
+        part = dict(np.load(out / f"tp{tp}pp{pp}{tag}-stage{stage}.npz"))
         assert not set(part) & set(merged), "two stages wrote the same tensor"
         merged.update(part)
     return merged
@@ -59,10 +59,10 @@ def updates(mpirun, tmp_path_factory):
     return root
 
 
-def _check_pp2(out) -> None:
-    whole, staged = _merged(out, 1, 1), _merged(out, 1, 2)
+def _check_pp2(out, pp: int = 2, tag: str = "") -> None:
+    whole, staged = _merged(out, 1, 1), _merged(out, 1, pp, tag)
     assert set(whole) == set(staged)
-    assert np.array_equal(np.load(out / "tp1pp1-logprobs.npy"), np.load(out / "tp1pp2-logprobs.npy"))
+    assert np.array_equal(np.load(out / "tp1pp1-logprobs.npy"), np.load(out / f"tp1pp{pp}{tag}-logprobs.npy"))
     for name in whole:
         if name in TIED:
             assert _relative(whole[name], staged[name]) < 1e-6, name
@@ -81,6 +81,33 @@ def test_pp2_equals_pp1_for_other_families(mpirun, tmp_path, case):
     _run(mpirun, tmp_path, case, 1, 1)
     _run(mpirun, tmp_path, case, 1, 2)
     _check_pp2(tmp_path)
+
+
+@pytest.mark.parametrize("pp, split", [pytest.param(2, "3,1", id="pp2-3+1"),
+                                       pytest.param(3, "1,2", id="pp3-1+1+2", marks=full_matrix_only)])
+def test_uneven_stages_equal_pp1(mpirun, tmp_path, pp, split):
+    """placement.trainer.pp_layers: a 4-layer model as 3 + 1 layers (and 1 + 1 + 2: a middle stage with the rest)
+    computes pp=1's log-probs, gradients and updated weights, each stage's layers under their HF names."""
+    _run(mpirun, tmp_path, CASE, 1, 1, "--layers", "4")
+    _run(mpirun, tmp_path, CASE, 1, pp, "--layers", "4", "--pp-layers", split)
+    _check_pp2(tmp_path, pp, f"-layers{split.replace(',', '-')}")
+    first = dict(np.load(tmp_path / f"tp1pp{pp}-layers{split.replace(',', '-')}-stage0.npz"))
+    held = {int(n.split(".")[3]) for n in first if n.startswith("weight.model.layers.")}
+    assert held == set(range(int(split.split(",")[0]))), held
+
+
+@full_matrix_only  # four more launches (~90 s on 2 busy cores): tensor shards and adapters on uneven stages
+def test_uneven_stages_with_tp2_and_with_lora_equal_pp1(mpirun, tmp_path):
+    """tp2 x (3 + 1 layers) agrees with pp=1 to the tensor-parallel reductions; LoRA's adapters on 3 + 1 layers
+    start as the whole model's (seeded by global layer) and give the same merged weights after one update."""
+    _run(mpirun, tmp_path / "full", CASE, 1, 1, "--layers", "4")
+    _run(mpirun, tmp_path / "full", CASE, 2, 2, "--layers", "4", "--pp-layers", "3,1")
+    whole, staged = _merged(tmp_path / "full", 1, 1), _merged(tmp_path / "full", 2, 2, "-layers3-1")
+    assert set(whole) == set(staged) and all(_relative(whole[k], staged[k]) < 1e-5 for k in whole)
+    _run(mpirun, tmp_path / "lora", CASE, 1, 1, "--layers", "4", "--lora", "4")
+    _run(mpirun, tmp_path / "lora", CASE, 1, 2, "--layers", "4", "--lora", "4", "--pp-layers", "3,1")
+    whole, staged = _merged(tmp_path / "lora", 1, 1), _merged(tmp_path / "lora", 1, 2, "-layers3-1")
+    assert set(whole) == set(staged) and all(_relative(whole[k], staged[k]) < 1e-6 for k in whole)
 
 
 def test_tp2_pp2_equals_pp1(updates):

@@ -7,8 +7,10 @@ Every rank builds the case's tiny HF model (tests/mpi/convert_tp2_worker.py) fro
 tensor shard. The program writes, from tensor rank 0 of each stage, DIR/<tag>-stage<s>.npz with the stage's
 gradient after one update (grad_clip 0, `grad.<hf name>`) and its weights after it (`weight.<hf name>`), and from
 world rank 0 DIR/<tag>-logprobs.npy: the reference's log-probs of every response token (the forward alone). With
--n 1 --tp 1 --pp 1 it is the reference the pipelined runs are compared with. With --lora R the policy trains rank-R
-adapters (`train.lora`); its weights are then the merged ones the engines get, and no gradient is written.
+-n 1 --tp 1 --pp 1 it is the reference the pipelined runs are compared with. <tag> is tp<T>pp<P>, with
+--pp-layers F,L (uneven stages) tp<T>pp<P>-layers<F>-<L>; --layers N gives the case's model N layers. With
+--lora R the policy trains rank-R adapters (`train.lora`); its weights are then the merged ones the engines get,
+and no gradient is written.
 """
 from __future__ import annotations
 
@@ -32,10 +34,12 @@ def main() -> None:
     ap.add_argument("--share-prompts", action="store_true")
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--lora", type=int, default=0, help="train.lora.rank")
+    ap.add_argument("--layers", type=int, default=0, help="the tiny model's layer count (0: the case's)")
+    ap.add_argument("--pp-layers", default="", help="uneven stages, FIRST,LAST (placement.trainer.pp_layers)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from tests.mpi.convert_tp2_worker import tiny_hf_model
+    from tests.mpi.convert_tp2_worker import TINY_CASES, perturbed
     from tests.programs.dp_update import global_batch
     from yatt_hpc.config.lora import LoraConfig
     from yatt_hpc.config.schema import TrainConfig
@@ -55,9 +59,17 @@ def main() -> None:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         model_dir = tempfile.mkdtemp(prefix="pp-update-")
-        tiny_hf_model(args.case).save_pretrained(model_dir)
+        cls, make_config = TINY_CASES[args.case]
+        config = make_config()
+        if args.layers:  # built anew: a config derives per-layer settings (Qwen2's layer_types) from the count
+            fields = {k: v for k, v in config.to_dict().items() if k != "layer_types"}
+            config = type(config).from_dict({**fields, "num_hidden_layers": args.layers})
+        torch.manual_seed(0)
+        perturbed(cls(config).eval()).save_pretrained(model_dir)
     port, model_dir = comm.bcast((port, model_dir))
-    mm.initialize_model_parallel(rank, size, "127.0.0.1", port, tp_size=args.tp, pp_size=args.pp, seed=0)
+    split = tuple(int(n) for n in args.pp_layers.split(",")) if args.pp_layers else None
+    mm.initialize_model_parallel(rank, size, "127.0.0.1", port, tp_size=args.tp, pp_size=args.pp, seed=0,
+                                 pp_layers=split)
     # lr 1, eps 1: the weights after the step follow the gradient (dp_update.py says why)
     cfg = TrainConfig(lr=1.0, adam_eps=1.0, micro_batch_size=4, prompts_per_step=6, grad_clip=0.0, kl_coef=0.05,
                       entropy_coef=0.01, share_prompts=args.share_prompts, recompute=args.recompute,
@@ -72,7 +84,7 @@ def main() -> None:
     adv = step_advantages(batch, cfg)
     policy.update(batch, adv.values, whole_batch_plan(batch, cfg, norm_len=12))
     stage = pipeline_stage()
-    tag = f"tp{args.tp}pp{args.pp}"
+    tag = f"tp{args.tp}pp{args.pp}" + (f"-layers{args.pp_layers.replace(',', '-')}" if split else "")
     grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in policy.named_params.items()}
     tp_group = parallel_state.get_tensor_model_parallel_group()
     as_model = types.SimpleNamespace(state_dict=lambda: grads)

@@ -114,3 +114,21 @@ def test_shared_state_and_data_position_come_back_keyed_by_identity(tmp_path):
     other = CheckpointManager(tmp_path).load_latest("trainer/dp7/tp0/pp0")
     assert not other.found and other.rng is None and other.data_position == {} and other.step == 5
     assert [r.identity for r in other.trainers] == [IDENTITY] and other.shared.counters["step"] == 5
+
+
+def test_a_checkpoint_records_its_stage_split_and_load_from_refuses_another(tmp_path):
+    """Uneven pipeline stages (`placement.trainer.pp_layers`) are in the trainer records: a resume and export-hf merge
+    by them, and `checkpoint.load_from`, which reads one shard as it is, refuses a run with another split."""
+    from yatt_hpc.ckpt import CheckpointError
+    from yatt_hpc.ckpt.loader import pipeline_record
+
+    weights = {"decoder.layers.0.mlp.linear_fc2.weight": torch.ones(2, 2)}
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(3, RankState(IDENTITY, {"dp": 0, "tp": 0, "pp": 0}, model=weights, extra=pipeline_record((2, 1))),
+                 SharedState())
+    assert CheckpointManager(tmp_path).load_latest(IDENTITY).pipeline_split == (2, 1)
+    step, got = CheckpointManager(tmp_path).load_from(tmp_path, tp=0, pp=0, split=(2, 1))
+    assert step == 3 and torch.equal(got["decoder.layers.0.mlp.linear_fc2.weight"], torch.ones(2, 2))
+    with pytest.raises(CheckpointError, match=r"was written with placement.trainer.pp_layers=\[2, 1\] and this run "
+                                              "has even stages; use its split"):
+        CheckpointManager(tmp_path).load_from(tmp_path, tp=0, pp=0)

@@ -199,6 +199,7 @@ EFFECT: dict[str, str] = {
     "placement.trainer.pp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
     "placement.trainer.cp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
     "placement.trainer.ep": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",  # refused above 1
+    "placement.trainer.pp_layers": "tests/mpi/test_pipeline.py::test_uneven_stages_equal_pp1",
     "placement.trainer.dp": "tests/unit/test_plan.py::test_dp_is_derived_when_null",
     "placement.trainer.mem": f"{EFFECTS}::test_mem_of_each_group_reaches_its_component",
     "placement.rollout.nodes": "tests/unit/test_sbatch_render.py::test_shared_step_places_each_group_on_every_node_in_rank_order",
@@ -317,6 +318,7 @@ REFUSED: dict[str, str] = {
     "placement.trainer.dp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",
     "placement.trainer.devices_per_task": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",
     "placement.trainer.mem": "tests/unit/test_sbatch_render.py::test_bad_values_are_rejected_naming_the_field",
+    "placement.trainer.pp_layers": "tests/unit/test_pipeline_split.py::test_refused_splits_name_the_field_and_the_fix",
     "placement.rollout.nodes": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",
     "placement.rollout.tasks_per_node": "tests/unit/test_config.py::test_bad_values_name_field_value_and_fix",
     "placement.rollout.tp": "tests/unit/test_plan.py::test_impossible_layouts_name_field_and_fix",

@@ -285,6 +285,6 @@ def test_pipeline_stages_split_and_merge_bitwise(case, tp_size):
 
 
 def test_layers_that_do_not_split_into_the_stages_are_refused():
-    with pytest.raises(ValueError, match="2 layers do not split into 3 pipeline stages"):
+    with pytest.raises(ValueError, match="placement.trainer.pp=3 does not divide the policy's 2 transformer layers"):
         convert.hf_to_megatron(tiny_hf_model("gpt2-tied").state_dict(), tiny_hf_model("gpt2-tied").config, 0, 1,
                                convert.Stage(0, 3))

@@ -30,7 +30,7 @@ def test_a_missing_model_dir_names_the_field(tmp_path):
 
 def test_pipeline_stages_must_split_the_layers_evenly():
     check_model_dirs(_cfg("placement.trainer.pp=3", "placement.trainer.tasks_per_node=3", "placement.trainer.dp=1"))
-    with pytest.raises(InputError, match=r"placement.trainer.pp=2 does not divide the policy's 3 transformer layers "
+    with pytest.raises(InputError, match=r"placement.trainer.pp=2 does not divide the policy's 3 transformer layers"
                                          r".*set placement.trainer.pp to one of \[1, 3\]"):
         check_model_dirs(_cfg("placement.trainer.pp=2", "placement.trainer.tasks_per_node=2", "placement.trainer.dp=1"))
 

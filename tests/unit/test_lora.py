@@ -228,7 +228,7 @@ def test_adapters_reshard_between_layouts_through_the_peft_layout():
     parts = [[peft_to_megatron(model_peft, hf.config, targets, t, 2, Stage(p, 2)) for t in range(2)] for p in range(2)]
     assert megatron_to_peft(parts, hf.config).keys() == model_peft.keys()
     assert all(torch.equal(megatron_to_peft(parts, hf.config)[k], v) for k, v in model_peft.items())
-    one = reshard(parts, hf.config, 0, 0, 1, 1)
+    one = reshard(parts, hf.config, 0, 1, None, Stage())
     assert all(torch.equal(v, peft_to_megatron(model_peft, hf.config, targets, 0, 1)[k]) for k, v in one.items())
 
 

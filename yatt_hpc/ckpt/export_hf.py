@@ -6,7 +6,8 @@ adapters as a PEFT directory that ``PeftModel.from_pretrained`` loads onto the b
     export_hf(run_dir, step=20, out=Path("hf"), model_dir=None)    # the same, from Python
 
 Gathers every tensor shard of every pipeline stage (``model-tp{t}-pp{p}.safetensors``), merges them with
-``yatt_hpc.train.convert.stages_to_hf`` and writes ``model.safetensors``. ``generation_config.json``
+``yatt_hpc.train.convert.stages_to_hf`` (uneven stages by the split the checkpoint's trainer records hold) and
+writes ``model.safetensors``. ``generation_config.json``
 and the tokenizer files are copied from the original model directory, ``model.path`` of the config saved
 in the checkpoint (or ``model_dir`` when given); so is ``config.json``, with its dtype set to the dtype
 of the tensors written, so that a plain ``from_pretrained(out)`` loads the model as it was trained.
@@ -35,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.errors import CheckpointError
-from yatt_hpc.ckpt.loader import read_weights
+from yatt_hpc.ckpt.loader import read_weights, saved_split
 from yatt_hpc.ckpt.manifest import verify_step
 from yatt_hpc.ckpt.state import read_records, read_shared
 
@@ -79,14 +80,15 @@ def export_hf(run_dir: str | Path, step: int, out: str | Path, model_dir: str | 
 
     step_dir, src, hf_config, lora = _open_step(run_dir, step, model_dir)
     shards = [[read_weights(step_dir, tp, pp) for tp, _ in stage] for pp, stage in enumerate(_shard_grid(step_dir))]
+    split = _stage_split(step_dir)
     if lora is None:
-        hf_sd = stages_to_hf(shards, hf_config, emit_tied_lm_head=False)
+        hf_sd = stages_to_hf(shards, hf_config, emit_tied_lm_head=False, split=split)
     else:
         from yatt_hpc.lora.peft import megatron_to_peft, merge_into_hf
 
         base = {k: v for k, v in _original_weights(src).items()
                 if not (k == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False))}
-        hf_sd = merge_into_hf(base, megatron_to_peft(shards, hf_config), lora["alpha"] / lora["rank"], hf_config)
+        hf_sd = merge_into_hf(base, megatron_to_peft(shards, hf_config, split), lora["alpha"] / lora["rank"], hf_config)
     stored = _float_dtype(hf_sd)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -164,7 +166,12 @@ def export_peft(run_dir: str | Path, step: int, out: str | Path, model_dir: str 
     shards = [[load_file(str(p)) for p in stage] for stage in _ordered_shards(step_dir)]
     config = adapter_config(lora["rank"], lora["alpha"], lora.get("dropout", 0.0), targets_of(shards[0][0]),
                             hf_config, str(src))
-    return save_peft(out, megatron_to_peft(shards, hf_config), config)
+    return save_peft(out, megatron_to_peft(shards, hf_config, _stage_split(step_dir)), config)
+
+
+def _stage_split(step_dir: Path) -> tuple[int, int] | None:
+    """The uneven pipeline stages the checkpoint's trainer was split into (None: even ones)."""
+    return saved_split([r for r in read_records(step_dir / layout.STATE_FILE) if r.identity.startswith("trainer/")])
 
 
 def _open_step(run_dir: str | Path, step: int, model_dir: str | Path | None):

@@ -58,6 +58,29 @@ class Restored:
         return {axis: 1 + max((r.coords.get(axis, 0) for r in self.trainers), default=0)
                 for axis in ("dp", "tp", "pp", "ep")}
 
+    @property
+    def pipeline_split(self) -> tuple[int, int] | None:
+        """The saved trainer's uneven stages (`placement.trainer.pp_layers`: the first and last stage's layers), or
+        None for even ones (`pipeline_record`)."""
+        return saved_split(self.trainers)
+
+
+PIPELINE_KEY = "pipeline"  # a trainer record's `extra` entry: {"first": layers, "last": layers} of uneven stages
+
+
+def pipeline_record(split: tuple[int, int] | None) -> dict[str, dict[str, int]]:
+    """What a trainer rank's record carries of its stage split (`RankRecord.extra`): nothing for even stages."""
+    return {} if split is None else {PIPELINE_KEY: {"first": int(split[0]), "last": int(split[1])}}
+
+
+def saved_split(trainers: list) -> tuple[int, int] | None:
+    """The stage split a checkpoint's trainer records (`RankRecord`s) were written with (`pipeline_record`)."""
+    found = {(r.extra[PIPELINE_KEY]["first"], r.extra[PIPELINE_KEY]["last"]) if PIPELINE_KEY in r.extra else None
+             for r in trainers}
+    if len(found) > 1:
+        raise CheckpointError(f"the trainer ranks of one checkpoint recorded different pipeline splits {sorted(found, key=str)}")
+    return next(iter(found), None)
+
 
 def find_latest(ckpt_dir: Path, quarantine: bool = False) -> tuple[int | None, list[tuple[int, str]]]:
     """The highest step that verifies, and the (step, reason) of every newer one that did not.
@@ -165,8 +188,9 @@ def read_optimizer(step_dir: Path, tp: int = 0, pp: int = 0, prefix: str = "opti
 #
 # The data-parallel size needs no tensor work: parameters are the same on every DP rank, and the optimizer
 # state is read whole (`read_optimizer` puts a sharded optimizer's rows back together) for the new
-# ranks to keep what they own. A new tensor or pipeline split goes through the HF layout: the saved shards
-# are merged as `ckpt export-hf` merges them and split as a fresh start splits an HF model
+# ranks to keep what they own. A new tensor or pipeline split (another pp, or other uneven stages) goes through
+# the HF layout: the saved shards are merged, by the stage split the checkpoint records (`pipeline_record`), as
+# `ckpt export-hf` merges them and split as a fresh start splits an HF model
 # (`train/convert.py`). AdamW's moments and a bf16 run's fp32 masters have the parameters' shapes, so the
 # same merge and split apply to them, tensor by tensor. Every rank reads all saved shards of the tensors
 # it reshards: a resume's memory peak is the whole model's state once per rank (the data positions move in
@@ -175,10 +199,15 @@ def read_optimizer(step_dir: Path, tp: int = 0, pp: int = 0, prefix: str = "opti
 
 @dataclass(frozen=True)
 class Shards:
-    """A trainer's model-parallel split: `tp` tensor shards in each of `pp` pipeline stages."""
+    """A trainer's model-parallel split: `tp` tensor shards in each of `pp` pipeline stages, the first and last
+    stage holding `split` layers when uneven (`placement.trainer.pp_layers`; None: layers/pp each)."""
 
     tp: int = 1
     pp: int = 1
+    split: tuple[int, int] | None = None
+
+    def stages_text(self) -> str:
+        return "even stages" if self.split is None else f"pp_layers={list(self.split)}"
 
 
 def _convert():
@@ -187,16 +216,18 @@ def _convert():
     return convert
 
 
-def _reshard(parts: list[list[StateDict]], hf_config: Any, tp_rank: int, pp_rank: int, now: Shards) -> StateDict:
-    """`parts[pp][tp]` (a saved layout's shards) merged to HF and split into shard (tp_rank, pp_rank) of `now`
+def _reshard(parts: list[list[StateDict]], hf_config: Any, saved: Shards, tp_rank: int, pp_rank: int,
+             now: Shards) -> StateDict:
+    """`parts[pp][tp]` (the shards of layout `saved`) merged to HF and split into shard (tp_rank, pp_rank) of `now`
     (a LoRA run's adapters through their PEFT layout, `lora/peft.py`)."""
     from yatt_hpc.lora import peft, targets
 
-    if any(targets.is_adapter(name) for name in parts[0][0]):
-        return peft.reshard(parts, hf_config, tp_rank, pp_rank, now.tp, now.pp)
     convert = _convert()  # torch and the model code: only a trainer rank that reshards imports them here
-    merged = convert.stages_to_hf(parts, hf_config)
-    return convert.hf_to_megatron(merged, hf_config, tp_rank, now.tp, convert.Stage(pp_rank, now.pp))
+    stage = convert.Stage(pp_rank, now.pp, now.split)
+    if any(targets.is_adapter(name) for name in parts[0][0]):
+        return peft.reshard(parts, hf_config, tp_rank, now.tp, saved.split, stage)
+    merged = convert.stages_to_hf(parts, hf_config, split=saved.split)
+    return convert.hf_to_megatron(merged, hf_config, tp_rank, now.tp, stage)
 
 
 def reshard_weights(step_dir: Path, hf_config: Any, saved: Shards, tp_rank: int, pp_rank: int,
@@ -205,7 +236,7 @@ def reshard_weights(step_dir: Path, hf_config: Any, saved: Shards, tp_rank: int,
     if saved == now:
         return read_weights(step_dir, tp_rank, pp_rank)
     parts = [[read_weights(step_dir, t, p) for t in range(saved.tp)] for p in range(saved.pp)]
-    return _reshard(parts, hf_config, tp_rank, pp_rank, now)
+    return _reshard(parts, hf_config, saved, tp_rank, pp_rank, now)
 
 
 def reshard_optimizer(step_dir: Path, hf_config: Any, saved: Shards, tp_rank: int, pp_rank: int,
@@ -220,7 +251,7 @@ def reshard_optimizer(step_dir: Path, hf_config: Any, saved: Shards, tp_rank: in
     for key in keys:  # exp_avg, exp_avg_sq, master: one parameter-shaped tensor per parameter
         per_shard = [[{k.rpartition(".")[0]: v for k, v in tensors.items() if k.rpartition(".")[2] == key}
                       for tensors, _ in stage] for stage in parts]
-        out.update({f"{name}.{key}": t for name, t in _reshard(per_shard, hf_config, tp_rank, pp_rank, now).items()})
+        out.update({f"{name}.{key}": t for name, t in _reshard(per_shard, hf_config, saved, tp_rank, pp_rank, now).items()})
     steps = [v for k, v in first.items() if k.endswith(".step")]
     if steps:  # one count for every parameter: the optimizer steps them together
         out.update({f"{name.rpartition('.')[0]}.step": steps[0] for name in out if name.endswith(".exp_avg")})

@@ -26,8 +26,8 @@ from typing import Self
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.commit import clean_incomplete, commit, quiet_barrier, rank_files, write_rank_files, write_unstaged
 from yatt_hpc.ckpt.errors import CheckpointError, describe_write_error
-from yatt_hpc.ckpt.loader import Restored, find_latest, read_rank, read_weights
-from yatt_hpc.ckpt.state import SharedState
+from yatt_hpc.ckpt.loader import Restored, find_latest, read_rank, read_weights, saved_split
+from yatt_hpc.ckpt.state import SharedState, read_records
 from yatt_hpc.ckpt.writer import BackgroundWriter, RankState, Staging, snapshot
 from yatt_hpc.metrics.activity import ACTIVITY
 
@@ -231,8 +231,10 @@ class CheckpointManager:
         log.info("resumed %s from checkpoint step %d", identity, step)
         return restored
 
-    def load_from(self, source: str | Path, tp: int = 0, pp: int = 0) -> tuple[int, dict]:
-        """Collective. Weights only (shard tp, pp) of the latest verified checkpoint of another run.
+    def load_from(self, source: str | Path, tp: int = 0, pp: int = 0,
+                  split: tuple[int, int] | None = None) -> tuple[int, dict]:
+        """Collective. Weights only (shard tp, pp of stages split as `split` says) of the latest verified checkpoint
+        of another run, which must have the same layout.
 
         ``source`` is a run directory, its ``checkpoints/`` directory, or one ``step-N`` directory.
         """
@@ -243,6 +245,14 @@ class CheckpointManager:
         step, where = self.comm.bcast(answer, root=self.leader)
         if step is None:
             raise CheckpointError(where)
+        saved = saved_split([r for r in read_records(Path(where) / layout.STATE_FILE) if r.identity.startswith("trainer/")])
+        if saved != split:
+            def named(s):
+                return "even stages" if s is None else f"placement.trainer.pp_layers={list(s)}"
+
+            raise CheckpointError(f"checkpoint.load_from={source} was written with {named(saved)} and this run has "
+                                  f"{named(split)}; use its split, or export it with `yatt-hpc ckpt export-hf` and point "
+                                  "model.path at the export")
         return step, read_weights(Path(where), tp, pp)
 
 

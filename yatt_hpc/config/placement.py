@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from yatt_hpc.config.section import Section
 
@@ -31,8 +31,8 @@ class GroupPlacement(Section):
     tp: int = Field(1, ge=1)
     """Tensor-parallel size."""
     pp: int = Field(1, ge=1)
-    """Pipeline-parallel size. Trainer: stages of an equal share of the layers each (Megatron's 1F1B schedule,
-    docs/scale.md); rollout and GenRM: must stay 1."""
+    """Pipeline-parallel size. Trainer: stages of an equal share of the layers each, or as
+    `placement.trainer.pp_layers` says (Megatron's 1F1B schedule, docs/scale.md); rollout and GenRM: must stay 1."""
     cp: int = Field(1, ge=1)
     """Context-parallel size (trainer only; must stay 1 for rollout and GenRM)."""
     dp: int | None = Field(None, ge=1)
@@ -49,6 +49,66 @@ class TrainerPlacement(GroupPlacement):
     (each expert split over tp as a dense MLP is). Megatron-Core requires ep to divide dp (its expert tensor
     parallelism stays tp). Only 1 runs today: the planner checks a larger ep against the layout, then refuses it
     (docs/moe.md)."""
+    pp_layers: tuple[int, int] | None = None
+    """Uneven pipeline stages: the transformer layers of the first and of the last stage, `[first, last]`; the
+    stages between split the rest evenly (Megatron's ``num_layers_in_first_pipeline_stage`` and
+    ``num_layers_in_last_pipeline_stage``). E.g. `[10, 8]` for 28 layers on pp=3 (10 + 10 + 8), or a last stage
+    with fewer layers beside a large vocabulary head. null: every stage holds layers/pp. Needs pp > 1; the
+    policy's layer count is checked against it when the run starts."""
+
+    @model_validator(mode="after")
+    def _stage_split(self) -> TrainerPlacement:
+        if self.pp_layers is None:
+            return self
+        if self.pp == 1:
+            raise ValueError(f"placement.trainer.pp_layers={list(self.pp_layers)} splits pipeline stages, but "
+                             "placement.trainer.pp=1 has one stage; set placement.trainer.pp > 1, or drop "
+                             "placement.trainer.pp_layers")
+        if min(self.pp_layers) < 1:
+            raise ValueError(f"placement.trainer.pp_layers={list(self.pp_layers)}: every pipeline stage holds at "
+                             "least one transformer layer; give the first and last stage 1 or more each")
+        return self
+
+
+def stage_layers(index: int, count: int, num_layers: int, split: tuple[int, int] | None = None) -> range:
+    """The global transformer layers pipeline stage `index` of `count` holds: layers/count each, or with `split`
+    (`placement.trainer.pp_layers`) split[0] on the first stage, split[1] on the last and the rest evenly between
+    (Megatron-Core's ``get_num_layers_to_build`` and ``get_transformer_layer_offset``). ValueError naming the
+    field and the fix when the layers do not split so (`split_problem`)."""
+    problem = split_problem(num_layers, count, split)
+    if problem:
+        raise ValueError(problem)
+    if split is None or count == 1:
+        per = num_layers // count
+        return range(index * per, (index + 1) * per)
+    first, last = split
+    middle = (num_layers - first - last) // (count - 2) if count > 2 else 0
+    if index == count - 1:
+        return range(num_layers - last, num_layers)
+    start = 0 if index == 0 else first + (index - 1) * middle
+    return range(start, first if index == 0 else start + middle)
+
+
+def split_problem(num_layers: int, count: int, split: tuple[int, int] | None = None) -> str | None:
+    """Why `num_layers` layers do not split into `count` pipeline stages as `split` asks (None: they do)."""
+    if split is None or count == 1:
+        if num_layers % count == 0:
+            return None
+        divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        return (f"placement.trainer.pp={count} does not divide the policy's {num_layers} transformer layers: each "
+                f"pipeline stage holds the same number; set placement.trainer.pp to one of {divisors}, or give the "
+                "first and last stage their own counts with placement.trainer.pp_layers")
+    first, last = split
+    rest, middle = num_layers - first - last, count - 2
+    named = f"placement.trainer.pp_layers={list(split)} with placement.trainer.pp={count} and {num_layers} layers"
+    if middle == 0 and rest != 0:
+        return (f"{named}: two stages hold {first} + {last} = {first + last} layers, not {num_layers}; give them "
+                f"counts that add up to {num_layers}")
+    if middle and (rest < middle or rest % middle):
+        return (f"{named}: the {middle} middle stage(s) get the other {rest} layers, which do not split evenly into "
+                f"{middle} stage(s) of at least one; choose first and last so that {num_layers} - first - last is a "
+                f"positive multiple of {middle}")
+    return None
 
 
 class EnginePlacement(GroupPlacement):

@@ -395,6 +395,12 @@ class RunConfig(Section):
             raise ValueError(f"checkpoint.load_from={self.checkpoint.load_from!r} with train.lora.rank={self.train.lora.rank}: "
                              "adapters start from the base model at model.path; export that checkpoint with `yatt-hpc "
                              "ckpt export-hf` and point model.path at the export, or drop checkpoint.load_from")
+        split = self.placement.trainer.pp_layers
+        if split is not None and self.train.adv_estimator == "gae":
+            raise ValueError(f"placement.trainer.pp_layers={list(split)} with train.adv_estimator=gae: the value model "
+                             "is built, checkpointed and exported in even pipeline stages only; drop "
+                             "placement.trainer.pp_layers (a pp that divides the layers), or use a group estimator "
+                             "such as grpo")
         self._check_routing_replay()
         engines = ("rollout",) + (("genrm",) if self.reward.mode != "rule_only" else ())
         for group in engines:

@@ -28,14 +28,16 @@ from yatt_hpc.train.hf_arch import describe_hf_config
 StateDict = dict[str, torch.Tensor]
 
 
-def megatron_to_peft(stage_shards: Sequence[Sequence[Mapping[str, torch.Tensor]]], hf_config: Any) -> StateDict:
-    """Every stage's TP shards of adapter tensors (``stage_shards[pp][tp]``, Megatron names) as one PEFT state dict."""
-    tp, count = len(stage_shards[0]), len(stage_shards)
+def megatron_to_peft(stage_shards: Sequence[Sequence[Mapping[str, torch.Tensor]]], hf_config: Any,
+                     split: tuple[int, int] | None = None) -> StateDict:
+    """Every stage's TP shards of adapter tensors (``stage_shards[pp][tp]``, Megatron names; the stages split as
+    `split` says, `convert.Stage`) as one PEFT state dict."""
+    tp = len(stage_shards[0])
     arch = describe_hf_config(hf_config, tp)
     targets = targets_of(stage_shards[0][0])
     out: StateDict = {}
-    for index, shards in enumerate(stage_shards):
-        for rule in adapter_rules(arch, targets, Stage(index, count)):
+    for stage, shards in zip(Stage(0, len(stage_shards), split).all(), stage_shards, strict=True):
+        for rule in adapter_rules(arch, targets, stage):
             for name, tensor in merge_tensor(rule, [shard[rule.megatron] for shard in shards], arch):
                 out[PEFT_PREFIX + name] = tensor
     return out
@@ -53,11 +55,12 @@ def peft_to_megatron(peft_sd: Mapping[str, torch.Tensor], hf_config: Any, target
             for r in rules}
 
 
-def reshard(parts: Sequence[Sequence[Mapping[str, torch.Tensor]]], hf_config: Any, tp_rank: int, pp_rank: int,
-            tp: int, pp: int) -> StateDict:
-    """Adapter-shaped tensors saved as ``parts[pp][tp]`` in shard (tp_rank, pp_rank) of a tp x pp layout."""
-    return peft_to_megatron(megatron_to_peft(parts, hf_config), hf_config, targets_of(parts[0][0]), tp_rank, tp,
-                            Stage(pp_rank, pp))
+def reshard(parts: Sequence[Sequence[Mapping[str, torch.Tensor]]], hf_config: Any, tp_rank: int, tp: int,
+            saved_split: tuple[int, int] | None, stage: Stage) -> StateDict:
+    """Adapter-shaped tensors saved as ``parts[pp][tp]`` (stages split as `saved_split` says) in TP shard
+    `tp_rank` of `tp` of pipeline `stage`."""
+    return peft_to_megatron(megatron_to_peft(parts, hf_config, saved_split), hf_config, targets_of(parts[0][0]),
+                            tp_rank, tp, stage)
 
 
 def merge_into_hf(hf_sd: Mapping[str, torch.Tensor], peft_sd: Mapping[str, torch.Tensor], scaling: float,

@@ -4,6 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from yatt_hpc.config.placement import split_problem, stage_layers
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.launch.commands import local_launch, render, srun_launch
 from yatt_hpc.placement.plan import Plan
@@ -103,14 +104,26 @@ def critic_text(p: Plan, cfg: RunConfig) -> str | None:
             f"{' (sharded over dp)' if shard else ''}; one scalar head of hidden + 1 parameters{turns}")
 
 
-def pipeline_text(p: Plan) -> str | None:
-    """The trainer's pipeline stages and what each holds (None without pipeline parallelism)."""
+def pipeline_text(p: Plan, split: tuple[int, int] | None = None, num_layers: int | None = None) -> str | None:
+    """The trainer's pipeline stages and what each holds (None without pipeline parallelism): its ranks, and with
+    the policy's `num_layers` known its layers (`stage_layers`, split as `placement.trainer.pp_layers` says)."""
     g = p.group("trainer")
     pp, stride = g.size("pp"), g.size("tp") * g.size("cp") * g.size("dp")
     if pp == 1:
         return None
-    ranks = ", ".join(f"{s}: trainer ranks {s * stride}-{(s + 1) * stride - 1}" for s in range(pp))
-    return (f"pipeline: pp={pp} stages of 1/{pp} of the layers each ({ranks}); stage 0 also holds the embeddings, "
+    problem = None if num_layers is None else split_problem(num_layers, pp, split)
+    known = num_layers is not None and problem is None
+
+    def held(s: int) -> str:
+        layers = stage_layers(s, pp, num_layers, split) if known else None
+        return "" if layers is None else f" with layers {layers.start}-{layers.stop - 1}"
+
+    ranks = ", ".join(f"{s}: trainer ranks {s * stride}-{(s + 1) * stride - 1}{held(s)}" for s in range(pp))
+    shares = f"of 1/{pp} of the layers each" if split is None else \
+        f"of uneven layers (placement.trainer.pp_layers: {split[0]} on the first, {split[1]} on the last, the rest " \
+        "evenly between)"
+    refused = f"; refused at start: {problem}" if problem else ""
+    return (f"pipeline: pp={pp} stages {shares} ({ranks}{refused}); stage 0 also holds the embeddings, "
             f"stage {pp - 1} the final norm and the head; Megatron's 1F1B schedule keeps up to pp-s micro-batches' "
             f"activations on stage s; each stage's tp-rank-0 of a replica sends its own layers to the engines")
 
@@ -126,10 +139,13 @@ def weight_sync_text(p: Plan, cfg: RunConfig) -> str:
     return f"weight sync (rollout.weight_transport={cfg.rollout.weight_transport}): {'; '.join(parts)}"
 
 
-def print_plan(p: Plan, run_dir: str, console: Console, python: str = "python3", cfg: RunConfig | None = None) -> None:
+def print_plan(p: Plan, run_dir: str, console: Console, python: str = "python3", cfg: RunConfig | None = None,
+               num_layers: int | None = None) -> None:
+    """`num_layers`: the policy's transformer layers, when its config.json could be read (each stage's share shown)."""
     console.print(plan_table(p))
     console.print("leader (decisions only): world rank 0 = trainer rank 0")
-    lines = [*what_runs(cfg), trainer_state_text(p, cfg), critic_text(p, cfg), pipeline_text(p), weight_sync_text(p, cfg)] \
+    lines = [*what_runs(cfg), trainer_state_text(p, cfg), critic_text(p, cfg),
+             pipeline_text(p, cfg.placement.trainer.pp_layers, num_layers), weight_sync_text(p, cfg)] \
         if cfg is not None else []
     for line in filter(None, lines):
         console.print(line, markup=False, highlight=False)

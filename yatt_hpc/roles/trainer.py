@@ -39,7 +39,7 @@ from mpi4py import MPI
 
 from yatt_hpc.batch import SampleBatch, image_columns
 from yatt_hpc.ckpt import RankState, capture_rng, restore_rng
-from yatt_hpc.ckpt.loader import Shards, reshard_optimizer, reshard_weights
+from yatt_hpc.ckpt.loader import Shards, pipeline_record, reshard_optimizer, reshard_weights
 from yatt_hpc.comm.doorbell import DOORBELL
 from yatt_hpc.comm.prompt_routing import build_router
 from yatt_hpc.comm.rebalance import Rebalancer
@@ -111,7 +111,8 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
         self.ep = world.plan.group("trainer").ep
         megatron_model.initialize_model_parallel(world.group_rank, world.group_comm.Get_size(), addr, port,
                                                  tp_size=tp, pp_size=self.pp, seed=cfg.train.seed,
-                                                 cuda_device=torch.device(device).index, ep_size=self.ep)
+                                                 cuda_device=torch.device(device).index, ep_size=self.ep,
+                                                 pp_layers=cfg.placement.trainer.pp_layers)
         megatron_model.check_groups(world.plan.group("trainer"), self.dp_rank)
         torch.manual_seed(cfg.train.seed)
         # LoRA: the adapters' settings and their base's identity, saved with every checkpoint and checked at resume
@@ -414,8 +415,9 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
         return f"trainer/dp{self.dp_rank}/tp{self.tp_rank}/pp{self.pp_rank}"
 
     @property
-    def shard(self) -> dict[str, int]:
-        return {"tp": self.tp_rank, "pp": self.pp_rank}
+    def shard(self) -> dict:
+        """This rank's model shard as `CheckpointManager.load_from` reads it: tensor and pipeline rank, stage split."""
+        return {"tp": self.tp_rank, "pp": self.pp_rank, "split": self.cfg.placement.trainer.pp_layers}
 
     def light_state(self, step: int) -> dict:
         """RNG, data position (with returned prompts), sampler and routing state: all that changes
@@ -429,7 +431,8 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
         return {"rng": capture_rng(), "data_position": position,
                 "extra": {"sampling": self.sampler.state(),
                           "routing": {"expected_response": float(self.expected_response)},
-                          "kl": {"coef": float(self.kl.coef)}, **({"lora": self.lora} if self.lora else {})}}
+                          "kl": {"coef": float(self.kl.coef)}, **({"lora": self.lora} if self.lora else {}),
+                          **pipeline_record(self.cfg.placement.trainer.pp_layers)}}
 
     def checkpoint_state(self, step: int, light: dict | None = None) -> RankState:
         """Parameters (dp rank 0 of the shard), optimizer state, and `light_state` (now, or from the step start)."""
@@ -457,7 +460,7 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
             raise InputError(problem)
         saved = restored.trainer_layout
         now = {"dp": self.routes.dp, "tp": self.world.plan.group("trainer").size("tp"), "pp": self.pp, "ep": self.ep}
-        if saved == now:
+        if saved == now and restored.pipeline_split == self.cfg.placement.trainer.pp_layers:
             self.policy.load_checkpoint_tensors(restored.model)
             self.policy.load_optimizer_state(restored.optim, restored.optim_meta)
             self.restore_critic(restored)
@@ -492,8 +495,10 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
             raise InputError(f"checkpoint step-{restored.step} of " + ("a run with a critic (train.adv_estimator=gae)"
                              if self.critic is not None else "an asynchronous run (its batches generated ahead of "
                              "their step wait on their replicas)") + " resumes in the trainer layout it was written "
-                             f"with (dp={saved['dp']} tp={saved['tp']} pp={saved['pp']})")
-        saved_shards, shard = Shards(saved["tp"], saved["pp"]), Shards(now["tp"], now["pp"])
+                             f"with (dp={saved['dp']} tp={saved['tp']} pp={saved['pp']}, "
+                             f"{Shards(split=restored.pipeline_split).stages_text()})")
+        saved_shards = Shards(saved["tp"], saved["pp"], restored.pipeline_split)
+        shard = Shards(now["tp"], now["pp"], self.cfg.placement.trainer.pp_layers)
         model = reshard_weights(restored.step_dir, self.policy.hf_config, saved_shards, self.tp_rank, self.pp_rank, shard)
         self.policy.load_checkpoint_tensors(model)
         optim, meta = reshard_optimizer(restored.step_dir, self.policy.hf_config, saved_shards, self.tp_rank,
@@ -502,8 +507,9 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
         replicas = sorted((r for r in restored.trainers if r.coords.get("tp", 0) == 0 and r.coords.get("pp", 0) == 0),
                           key=lambda r: r.coords["dp"])
         positions = relayout_positions([r.data_position for r in replicas], now["dp"])
-        log.info("resumed checkpoint step %d written with trainer dp=%d tp=%d pp=%d into dp=%d tp=%d pp=%d",
-                 restored.step, saved["dp"], saved["tp"], saved["pp"], now["dp"], now["tp"], now["pp"])
+        log.info("resumed checkpoint step %d written with trainer dp=%d tp=%d pp=%d (%s) into dp=%d tp=%d pp=%d (%s)",
+                 restored.step, saved["dp"], saved["tp"], saved["pp"], saved_shards.stages_text(), now["dp"],
+                 now["tp"], now["pp"], shard.stages_text())
         return positions[self.dp_rank], replicas[0]
 
     def rewind_logs(self, step: int) -> None:

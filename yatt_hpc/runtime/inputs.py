@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from yatt_hpc.config.lora import targets_problem
+from yatt_hpc.config.placement import split_problem, stage_layers
 from yatt_hpc.config.schema import RunConfig, recompute_layers_problem
 from yatt_hpc.errors import InputError
 
@@ -54,21 +55,28 @@ def _policy_layers(cfg: RunConfig) -> tuple[int | None, Path, dict]:
     return (None if layers is None else int(layers)), path, config
 
 
+def policy_layer_count(cfg: RunConfig) -> int | None:
+    """The policy's transformer layers, or None when its config.json cannot be read here (`yatt-hpc plan` on a
+    login node without the model: the plan then shows the stages' ranks without their layers)."""
+    try:
+        return _policy_layers(cfg)[0]
+    except InputError:
+        return None
+
+
 def check_pipeline_stages(cfg: RunConfig) -> None:
-    """`placement.trainer.pp` must split the policy's layers evenly (Megatron's uniform stages), and a
-    vision-language policy trains on one stage."""
-    pp = cfg.placement.trainer.pp
+    """`placement.trainer.pp` (and `pp_layers`) must split the policy's layers as Megatron splits them
+    (`config.placement.stage_layers`), and a vision-language policy trains on one stage."""
+    pp, split = cfg.placement.trainer.pp, cfg.placement.trainer.pp_layers
     if pp == 1:
         return
     layers, path, config = _policy_layers(cfg)
     if "vision_config" in config:
         raise InputError(f"placement.trainer.pp={pp}: pipeline parallelism with a vision-language policy "
                          f"({path}) is not supported; set placement.trainer.pp=1 and use tp and dp")
-    if layers is not None and layers % pp:
-        divisors = [d for d in range(1, layers + 1) if layers % d == 0]
-        raise InputError(f"placement.trainer.pp={pp} does not divide the policy's {layers} transformer layers "
-                         f"({path}): each pipeline stage holds the same number; set placement.trainer.pp to one "
-                         f"of {divisors}")
+    problem = None if layers is None else split_problem(layers, pp, split)
+    if problem:
+        raise InputError(f"{problem} ({path})")
 
 
 def check_recompute_layers(cfg: RunConfig) -> None:
@@ -76,8 +84,11 @@ def check_recompute_layers(cfg: RunConfig) -> None:
     if cfg.train.recompute != "full":
         return
     layers, path, _ = _policy_layers(cfg)
-    pp = cfg.placement.trainer.pp
-    problem = None if layers is None or layers % pp else recompute_layers_problem(cfg.train, layers // pp)
+    pp, split = cfg.placement.trainer.pp, cfg.placement.trainer.pp_layers
+    if layers is None or split_problem(layers, pp, split):
+        return  # check_pipeline_stages names the split
+    held = sorted({len(stage_layers(s, pp, layers, split)) for s in range(pp)})  # each stage checks its own
+    problem = next(filter(None, (recompute_layers_problem(cfg.train, n) for n in held)), None)
     if problem:
         raise InputError(f"{problem}{' (per pipeline stage)' if pp > 1 else ''} ({path})")
 

@@ -28,8 +28,9 @@ TP group explicitly. Layout facts, checked against megatron-core 0.16 ``SelfAtte
 * A vision-language checkpoint (Qwen2-VL, names as saved on disk and loaded by SGLang): the language
   model converts as above from ``model.*``; the HF vision tower is not converted: ``visual.X`` is the
   trainer model's ``visual.X`` (the same HF module, replicated over TP), copied as is both ways.
-* Pipeline stages (a `Stage`): stage s of S holds layers s*L/S .. (s+1)*L/S - 1 under their local
-  numbers (``decoder.layers.0`` is its first), the first stage the embeddings, the last the final norm
+* Pipeline stages (a `Stage`): stage s of S holds layers s*L/S .. (s+1)*L/S - 1, or with uneven stages the
+  first and last stage their own counts and the stages between the rest evenly (`Stage.layers`), under their
+  local numbers (``decoder.layers.0`` is its first), the first stage the embeddings, the last the final norm
   and the head. With tied embeddings and S > 1 the last stage holds its own copy of the word embeddings
   as ``output_layer.weight`` (Megatron's ``setup_embeddings_and_output_layer``): it is loaded from the
   HF embedding and never written back (the first stage's is the one HF gets).
@@ -44,6 +45,7 @@ from typing import Any
 
 import torch
 
+from yatt_hpc.config.placement import stage_layers
 from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
 
 StateDict = dict[str, torch.Tensor]
@@ -78,10 +80,12 @@ class Rule:
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """Pipeline stage `index` of `count` (the default: the whole model on one stage)."""
+    """Pipeline stage `index` of `count` (the default: the whole model on one stage); `split` the layers of the
+    first and last stage when they are uneven (`placement.trainer.pp_layers`), None for layers/count each."""
 
     index: int = 0
     count: int = 1
+    split: tuple[int, int] | None = None
 
     @property
     def first(self) -> bool:
@@ -92,10 +96,12 @@ class Stage:
         return self.index == self.count - 1
 
     def layers(self, num_layers: int) -> range:
-        """The global layer numbers this stage holds (Megatron's uniform split)."""
-        return _contiguous_share(self.index, self.count, num_layers,
-                                 f"{num_layers} layers do not split into {self.count} pipeline stages; "
-                                 f"use a pp that divides {num_layers}")
+        """The global layer numbers this stage holds (`config.placement.stage_layers`, Megatron's split)."""
+        return stage_layers(self.index, self.count, num_layers, self.split)
+
+    def all(self) -> list[Stage]:
+        """Every stage of this stage's pipeline, in order."""
+        return [Stage(i, self.count, self.split) for i in range(self.count)]
 
 
 def _contiguous_share(index: int, count: int, total: int, refusal: str) -> range:
@@ -357,11 +363,12 @@ def megatron_to_hf(shards: Sequence[StateDict], hf_config: Any, emit_tied_lm_hea
 
 
 def stages_to_hf(stage_shards: Sequence[Sequence[StateDict]], hf_config: Any,
-                 emit_tied_lm_head: bool = True) -> StateDict:
-    """Merge the TP shards of every pipeline stage (``stage_shards[pp][tp]``) into one HF state dict."""
-    count = len(stage_shards)
-    return {name: tensor for index, shards in enumerate(stage_shards)
-            for name, tensor in iter_megatron_to_hf(shards, hf_config, emit_tied_lm_head, Stage(index, count))}
+                 emit_tied_lm_head: bool = True, split: tuple[int, int] | None = None) -> StateDict:
+    """Merge the TP shards of every pipeline stage (``stage_shards[pp][tp]``, stages split as `split` says: see
+    `Stage`) into one HF state dict."""
+    stages = Stage(0, len(stage_shards), split).all()
+    return {name: tensor for stage, shards in zip(stages, stage_shards, strict=True)
+            for name, tensor in iter_megatron_to_hf(shards, hf_config, emit_tied_lm_head, stage)}
 
 
 def iter_megatron_to_hf(

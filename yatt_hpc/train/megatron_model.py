@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from yatt_hpc.config.schema import TrainConfig, recompute_layers_problem
 from yatt_hpc.moe.layers import adopt_moe_modules
-from yatt_hpc.train import cpu_compat
+from yatt_hpc.train import convert, cpu_compat
 from yatt_hpc.train.hf_arch import HFArch, describe_hf_config
 from yatt_hpc.train.mcore import (
     GPTModel,
@@ -52,6 +52,7 @@ def initialize_model_parallel(
     cuda_device: int | None = None,
     pp_size: int = 1,
     ep_size: int = 1,
+    pp_layers: tuple[int, int] | None = None,
 ) -> None:
     """Join the trainer's process group (gloo on CPU, NCCL on CUDA) and set up TP=tp_size, PP=pp_size, CP=1,
     and expert parallelism EP=ep_size (a MoE model's experts split over ep ranks; Megatron's expert tensor
@@ -59,9 +60,14 @@ def initialize_model_parallel(
 
     ``rank``/``world_size`` and the leader's address come from the caller (MPI in the controller),
     never from environment variables. Data parallelism is ``world_size // (tp_size * pp_size)``; Megatron's
-    rank order puts tp fastest, then dp, then pp (the plan's trainer layout).
-    ``cuda_device`` defaults to ``rank % device_count`` (ranks packed node by node).
+    rank order puts tp fastest, then dp, then pp (the plan's trainer layout). ``pp_layers`` gives the first and
+    last stage their own layer counts (`placement.trainer.pp_layers`; `pipeline_stage` hands it to the model
+    builder and the converter). ``cuda_device`` defaults to ``rank % device_count`` (ranks packed node by node).
     """
+    global _pipeline_split
+    if pp_layers is not None and pp_size == 1:
+        raise ValueError(f"placement.trainer.pp_layers={list(pp_layers)} needs placement.trainer.pp > 1")
+    _pipeline_split = None if pp_layers is None else tuple(pp_layers)
     cpu = cpu_compat.is_cpu_runtime()
     if not cpu:
         torch.cuda.set_device(rank % torch.cuda.device_count() if cuda_device is None else cuda_device)
@@ -81,6 +87,18 @@ def initialize_model_parallel(
     if not cpu_compat.prepare_cpu_runtime(seed):
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+# The stage split the groups were built with, beside Megatron's own parallel state (which has no place for it):
+# set by `initialize_model_parallel`, read by `pipeline_stage`, cleared by `destroy_model_parallel`.
+_pipeline_split: tuple[int, int] | None = None
+
+
+def pipeline_stage() -> convert.Stage:
+    """This rank's pipeline stage (after `initialize_model_parallel`): the one description of its layers that
+    the model builder, the converter, checkpoints and weight sync share."""
+    return convert.Stage(parallel_state.get_pipeline_model_parallel_rank(),
+                         parallel_state.get_pipeline_model_parallel_world_size(), _pipeline_split)
 
 
 def built_group_sizes() -> dict[str, int]:
@@ -106,6 +124,8 @@ def check_groups(planned: Any, dp_rank: int = 0) -> None:
 
 def destroy_model_parallel() -> None:
     """Undo :func:`initialize_model_parallel` (tests run several worlds in one process)."""
+    global _pipeline_split
+    _pipeline_split = None
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
@@ -143,21 +163,27 @@ class Recompute:
 
 def build_transformer_config(
     arch: HFArch, tp_size: int, params_dtype: torch.dtype = torch.float32, recompute: Recompute = Recompute(),
-    pp_size: int = 1,
+    stage: convert.Stage | None = None,
 ) -> TransformerConfig:
-    """The ``TransformerConfig`` whose local-spec layers reproduce the HF blocks of ``arch``."""
+    """The ``TransformerConfig`` whose local-spec layers reproduce the HF blocks of ``arch``, for pipeline
+    `stage` (its count and split: every stage builds the same config; None: the whole model on one)."""
     gpt2 = arch.family == "gpt2"
     with warnings.catch_warnings():
         # selective recompute's "core_attn may be Transformer Engine's fused attention" note: ours is the local
         # spec's attention, whose scores and probabilities are what selective recompute is for
         warnings.filterwarnings("ignore", message="If you are using transformer_engine", category=UserWarning)
-        return _transformer_config(arch, tp_size, params_dtype, recompute, gpt2, pp_size)
+        return _transformer_config(arch, tp_size, params_dtype, recompute, gpt2, stage or convert.Stage())
 
 
 def _transformer_config(arch: HFArch, tp_size: int, params_dtype: torch.dtype, recompute: Recompute,
-                        gpt2: bool, pp_size: int) -> TransformerConfig:
-    pipeline = {} if pp_size == 1 else {
-        "pipeline_model_parallel_size": pp_size,
+                        gpt2: bool, stage: convert.Stage) -> TransformerConfig:
+    layers = stage.layers(arch.num_layers)  # raises naming placement.trainer.pp(_layers) when they do not split
+    pipeline = {} if stage.count == 1 else {
+        "pipeline_model_parallel_size": stage.count,
+        # uneven stages: Megatron offsets and sizes each stage's layers from these (transformer_block.py), the
+        # converter from the same split (`convert.Stage`)
+        **({} if stage.split is None else {"num_layers_in_first_pipeline_stage": stage.split[0],
+                                           "num_layers_in_last_pipeline_stage": stage.split[1]}),
         "pipeline_dtype": params_dtype,
         # micro-batches of varied length and row count: each send is preceded by its shape
         "variable_seq_lengths": True,
@@ -168,7 +194,7 @@ def _transformer_config(arch: HFArch, tp_size: int, params_dtype: torch.dtype, r
         "calculate_per_token_loss": True,
     }
     return TransformerConfig(
-        **recompute.transformer_fields(arch.num_layers // pp_size),
+        **recompute.transformer_fields(len(layers)),
         **pipeline,
         **moe_fields(arch, parallel_state.get_expert_model_parallel_world_size()),
         num_layers=arch.num_layers,
@@ -266,14 +292,11 @@ def build_gpt_model(
     ``recompute`` takes effect in training mode only (Megatron checks ``self.training``).
     """
     arch = describe_hf_config(hf_config, tp_size)
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    if arch.num_layers % pp_size:
-        raise ValueError(f"the model has {arch.num_layers} layers, which do not split into placement.trainer.pp="
-                         f"{pp_size} pipeline stages; use a pp that divides {arch.num_layers}")
-    if arch.vision and pp_size > 1:
+    stage = pipeline_stage()
+    if arch.vision and stage.count > 1:
         raise ValueError("pipeline parallelism with a vision-language model is not supported: set "
                          "placement.trainer.pp=1")
-    config = build_transformer_config(arch, tp_size, params_dtype, recompute, pp_size)
+    config = build_transformer_config(arch, tp_size, params_dtype, recompute, stage)
     rope = arch.rope_theta is not None
     # MultimodalRotaryEmbedding asks torch.cuda for a device; a tied head's first sync moves it to CUDA
     with cpu_compat.cuda_device_on_cpu():

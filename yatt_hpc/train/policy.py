@@ -59,6 +59,7 @@ from yatt_hpc.train import convert, megatron_model, shared_prompt, update_images
 from yatt_hpc.train.hf_arch import describe_hf_config, refuse_unsupported_moe
 from yatt_hpc.train.logprobs import token_logprobs_and_entropy
 from yatt_hpc.train.mcore import parallel_state
+from yatt_hpc.train.megatron_model import pipeline_stage
 from yatt_hpc.train.optimizer_step import OptimizerStep, master_copy
 from yatt_hpc.train.pipeline import PipelineStages, StageUpdate
 from yatt_hpc.train.step_plan import (
@@ -460,8 +461,3 @@ def expert_rank() -> convert.Experts:
     return convert.Experts(parallel_state.get_expert_model_parallel_rank(),
                            parallel_state.get_expert_model_parallel_world_size())
 
-
-def pipeline_stage() -> convert.Stage:
-    """This rank's pipeline stage (after `megatron_model.initialize_model_parallel`)."""
-    return convert.Stage(parallel_state.get_pipeline_model_parallel_rank(),
-                         parallel_state.get_pipeline_model_parallel_world_size())
