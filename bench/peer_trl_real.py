@@ -1,8 +1,8 @@
 """B9r: yatt-hpc vs TRL's GRPOTrainer at a real size: Qwen2.5-0.5B's shape (24 layers, 494 M parameters, the
 151,936-token vocabulary), random weights, GSM8K-like word problems. Step wall time and peak memory, same data.
 
-    .venv/bin/python bench/peer_trl_real.py                 # 1 turn a side, 4 steps each: ~30 min on 2 cores
-    .venv/bin/python bench/peer_trl_real.py --repeats 2 --steps 5
+    .venv/bin/python bench/peer_trl_real.py                     # fp32 and bf16, 1 turn a side each: ~25 min
+    .venv/bin/python bench/peer_trl_real.py --precision bf16 --repeats 2 --steps 5
 
 The workload (bench/real_size.py): the policy is built here with seeded random weights in fp32, with a real HF
 fast tokenizer of 151,936 entries; 512 word problems as JSONL. Both sides read the same prompts in the same
@@ -10,10 +10,15 @@ order (yatt-hpc's prompt stream, written out for TRL), 2 prompts x 8 samples a s
 random policy never ends one early, so every response has the cap's length on both sides), temperature 1,
 constant lr 3e-4, clip [0.2, 0.28], the same rule reward (0 for a random policy: the step still does all its
 work), and the same KL setting: none (`train.kl_coef: 0`, TRL `beta=0`), so neither side builds a reference
-model. TRL is one process, fp32, its whole batch in one micro-batch, no gradient checkpointing, with the glibc
-malloc settings our ranks make for themselves. yatt-hpc runs 3 MPI ranks: one trainer (dp=1), one HF rollout
-engine, one GenRM rank scoring by rule; its trainer passes the batch in micro-batches of --micro-batch samples
-with full activation recomputation (`train.recompute: full`) and the chunked log-prob path.
+model. TRL is one process, its whole batch in one micro-batch, with the glibc malloc settings our ranks make for
+themselves. yatt-hpc runs 3 MPI ranks: one trainer (dp=1), one HF rollout engine, one GenRM rank scoring by
+rule, in full colocation with `placement.node_cpus` the machine's cores (each phase runs that many torch
+threads); its trainer passes the batch in micro-batches of --micro-batch samples with full activation
+recomputation (`train.recompute: full`) and the chunked log-prob path. Two precisions, each side in its own way:
+
+* fp32: yatt-hpc `model.dtype: float32`; TRL fp32 without gradient checkpointing.
+* bf16: yatt-hpc `model.dtype: bfloat16` (bf16 weights for the passes and the engine, fp32 masters and AdamW);
+  TRL's own defaults, `bf16=True` (fp32 weights, bf16 autocast, generation included) and gradient checkpointing.
 
 Per run: each step's wall time from its beginning to the next one's (steps 2..N-1: step 1 pays first-call
 warm-ups), each side's own clock of the step body and its generation / training split, and peak memory two
@@ -47,6 +52,7 @@ from yatt_hpc.runtime.allocator import GLIBC_ENVIRONMENT
 
 STEP_TARGET, MEMORY_TARGET = 0.8, 1.0
 GENERATIONS = 8
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # yatt-hpc's model.dtype for each precision
 
 
 class TreeMemory:
@@ -87,15 +93,17 @@ def launch(argv: list[str], log: Path, env: dict) -> tuple[float, float]:
     return start, peak
 
 
-def yatt_config(model: str, problems: Path, args) -> dict:
-    return {"model": {"path": model},
+def yatt_config(model: str, problems: Path, args, precision: str) -> dict:
+    return {"model": {"path": model, "dtype": DTYPES[precision]},
             "data": {"source": str(problems), "seed": 1234, "max_prompt_tokens": 128},
             "train": {"steps": args.steps, "seed": 0, "prompts_per_step": args.prompts, "micro_batch_size": args.micro_batch,
                       "lr": 3.0e-4, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0, "recompute": "full"},
             "rollout": {"engine": "hf", "samples_per_prompt": GENERATIONS, "max_new_tokens": args.max_new_tokens,
                         "temperature": 1.0},
             "reward": {"mode": "rule_only"},
-            "placement": {"mode": "colocate", "trainer": {"nodes": 1, "tasks_per_node": 1, "tp": 1, "dp": 1},
+            # colocated phases take the machine's cores in turn (without node_cpus each would run one thread)
+            "placement": {"mode": "colocate", "node_cpus": os.cpu_count(),
+                          "trainer": {"nodes": 1, "tasks_per_node": 1, "tp": 1, "dp": 1},
                           "rollout": {"nodes": 1, "tasks_per_node": 1}, "genrm": {"nodes": 1, "tasks_per_node": 1}},
             "checkpoint": {"interval": 0}, "logging": {"trackers": [], "progress": False}}
 
@@ -117,11 +125,12 @@ def run_yatt(config: Path, root: Path, tag: str) -> dict:
             "rank_peak_mb": rank_peaks, "wall_s": time.time() - start}
 
 
-def run_trl(model: str, rows: Path, root: Path, tag: str, args) -> dict:
+def run_trl(model: str, rows: Path, root: Path, tag: str, args, precision: str) -> dict:
     out = root / f"trl-{tag}.json"
     argv = [str(PEER_PYTHON), str(PEERS / "trl_grpo.py"), "--model", model, "--tokenizer", model, "--rows", str(rows),
             "--steps", str(args.steps), "--max-completion-length", str(args.max_new_tokens),
             "--batch-size", str(args.prompts * GENERATIONS), "--beta", "0", "--out", str(out)]
+    argv += ["--bf16"] if precision == "bf16" else []
     start, peak = launch(argv, root / f"trl-{tag}.log", {**os.environ, **GLIBC_ENVIRONMENT})
     data = json.loads(out.read_text())
     gen = data["phases"]["generate"]
@@ -141,24 +150,28 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=4, help="yatt-hpc's samples a micro-batch")
     ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--precision", choices=[*DTYPES, "both"], default="both")
     args = ap.parse_args()
     if not PEER_PYTHON.exists():
         sys.exit(f"B9r needs TRL in its own venv, and {PEER_PYTHON.parent.parent} is missing: create it with "
                  "`bash bench/peers/setup.sh`")
     began = time.perf_counter()
-    runs = {"yatt": [], "trl": []}
+    precisions = list(DTYPES) if args.precision == "both" else [args.precision]
+    runs = {p: {"yatt": [], "trl": []} for p in precisions}
     with tempfile.TemporaryDirectory(prefix="peer_trl_real_") as tmp:
         root = Path(tmp)
         model = build_policy(root / "policy", layers=args.layers)
         problems = root / "problems.jsonl"
         write_problems(problems, 512)
-        config = root / "real.yaml"
-        config.write_text(yaml.safe_dump(yatt_config(model, problems, args)))
+        configs = {p: root / f"real-{p}.yaml" for p in precisions}
+        for p, config in configs.items():
+            config.write_text(yaml.safe_dump(yatt_config(model, problems, args, p)))
         rows = root / "rows.json"
-        rows.write_text(json.dumps(prompt_rows(config, args.steps * args.prompts)))
+        rows.write_text(json.dumps(prompt_rows(configs[precisions[0]], args.steps * args.prompts)))
         for i in range(args.repeats):  # the sides take turns so a change in load hits both
-            runs["yatt"].append(run_yatt(config, root, str(i)))
-            runs["trl"].append(run_trl(model, rows, root, str(i), args))
+            for p in precisions:
+                runs[p]["yatt"].append(run_yatt(configs[p], root, f"{p}-{i}"))
+                runs[p]["trl"].append(run_trl(model, rows, root, f"{p}-{i}", args, p))
     report(args, runs, time.perf_counter() - began)
 
 
@@ -178,43 +191,53 @@ def pooled(runs: list[dict], pick) -> list[float]:
 
 def report(args, runs: dict, took: float) -> None:
     sides = (("yatt", "yatt-hpc"), ("trl", "TRL"))
-    y, t = runs["yatt"], runs["trl"]
-    step_ratio = spread([np.median(a["cycle_s"][1:]) / np.median(b["cycle_s"][1:]) for a, b in zip(y, t)])
-    memory_ratio = spread([a["peak_sum_mb"] / b["peak_sum_mb"] for a, b in zip(y, t)])
-    table, rows_out = [], []
-    for side, who in sides:
-        rs = runs[side]
-        cycle, body = spread(pooled(rs, lambda r: r["cycle_s"])), spread(pooled(rs, lambda r: r["step_s"]))
-        gen = spread(pooled(rs, lambda r: r["split_s"]["generation"]))
-        train = spread(pooled(rs, lambda r: r["split_s"]["train"]))
-        peak = spread([r["peak_sum_mb"] / 1024 for r in rs])
-        procs = "  ".join(f"{k} {np.median([r['rank_peak_mb'][k] for r in rs]) / 1024:.1f}" for k in rs[0]["rank_peak_mb"])
-        table.append([who, f"{cycle['median']:.1f}", f"{body['median']:.1f}", f"{gen['median']:.1f}",
-                      f"{train['median']:.1f}", f"{peak['median']:.2f}", procs])
-        rows_out += [row(f"{who} step wall time, begin to next begin (steps 2..N-1)", cycle, " s", 1),
-                     row(f"{who} step body by its own clock (steps 2..N)", body, " s", 1),
-                     row(f"{who} generation per step", gen, " s", 1),
-                     row(f"{who} training per step (policy passes, optimizer)", train, " s", 1),
-                     row(f"{who} peak memory, all its processes at once (sampled)", peak, " GiB", 2),
-                     {"label": f"{who} each process's own peak (ru_maxrss), GiB", "value": procs}]
-    table.append(["ours / TRL", f"{step_ratio['median']:.2f}x", "", "", "", f"{memory_ratio['median']:.2f}x", ""])
-    rows_out += [row(f"yatt-hpc / TRL step time (paired per turn; target <= {STEP_TARGET})", step_ratio, "x", 2),
-                 row(f"yatt-hpc / TRL peak memory (paired per turn; target <= {MEMORY_TARGET})", memory_ratio, "x", 2)]
-    title = (f"B9r yatt-hpc vs TRL {t[0]['versions']['trl']} at Qwen2.5-0.5B's shape ({args.layers} layers), "
+    table, rows_out, results = [], [], {}
+    for precision, by_side in runs.items():
+        y, t = by_side["yatt"], by_side["trl"]
+        step_ratio = spread([np.median(a["cycle_s"][1:]) / np.median(b["cycle_s"][1:]) for a, b in zip(y, t)])
+        memory_ratio = spread([a["peak_sum_mb"] / b["peak_sum_mb"] for a, b in zip(y, t)])
+        for side, who in sides:
+            rs, label = by_side[side], f"{precision} {who}"
+            cycle, body = spread(pooled(rs, lambda r: r["cycle_s"])), spread(pooled(rs, lambda r: r["step_s"]))
+            gen = spread(pooled(rs, lambda r: r["split_s"]["generation"]))
+            train = spread(pooled(rs, lambda r: r["split_s"]["train"]))
+            peak = spread([r["peak_sum_mb"] / 1024 for r in rs])
+            procs = "  ".join(f"{k} {np.median([r['rank_peak_mb'][k] for r in rs]) / 1024:.1f}"
+                              for k in rs[0]["rank_peak_mb"])
+            table.append([label, f"{cycle['median']:.1f}", f"{body['median']:.1f}", f"{gen['median']:.1f}",
+                          f"{train['median']:.1f}", f"{peak['median']:.2f}", procs])
+            rows_out += [row(f"{label} step wall time, begin to next begin (steps 2..N-1)", cycle, " s", 1),
+                         row(f"{label} step body by its own clock (steps 2..N)", body, " s", 1),
+                         row(f"{label} generation per step", gen, " s", 1),
+                         row(f"{label} training per step (policy passes, optimizer)", train, " s", 1),
+                         row(f"{label} peak memory, all its processes at once (sampled)", peak, " GiB", 2),
+                         {"label": f"{label} each process's own peak (ru_maxrss), GiB", "value": procs}]
+        table.append([f"{precision} ours / TRL", f"{step_ratio['median']:.2f}x", "", "", "",
+                      f"{memory_ratio['median']:.2f}x", ""])
+        rows_out += [row(f"{precision} yatt-hpc / TRL step time (paired per turn; target <= {STEP_TARGET})",
+                         step_ratio, "x", 2),
+                     row(f"{precision} yatt-hpc / TRL peak memory (paired per turn; target <= {MEMORY_TARGET})",
+                         memory_ratio, "x", 2)]
+        results[precision] = (step_ratio["median"], memory_ratio["median"])
+    t0 = next(iter(runs.values()))["trl"][0]
+    title = (f"B9r yatt-hpc vs TRL {t0['versions']['trl']} at Qwen2.5-0.5B's shape ({args.layers} layers), "
              f"{args.prompts}x{GENERATIONS} samples, {args.max_new_tokens}-token responses, no KL; {args.steps} steps, "
              f"{args.repeats} turn(s) a side. Seconds (median, steps 2..N-1), memory GiB")
-    columns = ["side", "step", "body", "generation", "training", "peak (sum)", "per-process peaks"]
+    columns = ["precision, side", "step", "body", "generation", "training", "peak (sum)", "per-process peaks"]
     print_table(title, columns, table)
-    met = step_ratio["median"] <= STEP_TARGET and memory_ratio["median"] <= MEMORY_TARGET
-    verdict = (f"step {step_ratio['median']:.2f}x TRL's, peak memory {memory_ratio['median']:.2f}x "
-               f"(targets <= {STEP_TARGET} and <= {MEMORY_TARGET}: {'met' if met else 'NOT met'}); B9r took {took:.0f} s")
+    met_at = {p: step <= STEP_TARGET and memory <= MEMORY_TARGET for p, (step, memory) in results.items()}
+    verdict = "; ".join(f"{p}: step {step:.2f}x TRL's, peak memory {memory:.2f}x ({'met' if met_at[p] else 'NOT met'})"
+                        for p, (step, memory) in results.items())
+    verdict += f" (targets <= {STEP_TARGET} and <= {MEMORY_TARGET}); B9r took {took:.0f} s"
     notes = ("Same machine, the sides taking turns; yatt-hpc's 3 ranks (trainer, rollout engine, GenRM scoring by "
              "rule) share the 2 cores, TRL is one process with torch's default threads. Random weights: every "
              f"response runs to the {args.max_new_tokens}-token cap on both sides and the reward is 0 (the step still "
              "does all its work). Neither side builds a reference model (no KL). yatt-hpc's trainer: micro-batches of "
-             f"{args.micro_batch} samples, full recomputation; TRL: the whole batch in one micro-batch, no checkpointing.")
+             f"{args.micro_batch} samples, full recomputation, in fp32 or with `model.dtype: bfloat16`; TRL: the whole "
+             "batch in one micro-batch, fp32 without gradient checkpointing, or its defaults (bf16 autocast over fp32 "
+             "weights, gradient checkpointing).")
     write_report("peer_trl_real", question="B9r yatt-hpc vs TRL GRPOTrainer at Qwen2.5-0.5B's shape (step time, peak memory)",
-                 target=f"step time <= {STEP_TARGET}x TRL's; peak memory <= TRL's, same KL setting", met=met,
+                 target=f"step time <= {STEP_TARGET}x TRL's; peak memory <= TRL's, same KL setting", met=all(met_at.values()),
                  verdict=verdict, rows=rows_out, notes=notes,
                  tables=[{"title": "Where a step goes and what each side holds", "columns": columns, "rows": table}],
                  raw={"args": vars(args), "yatt_commit": commit(), "runs": runs, "took_s": took})

@@ -3,7 +3,7 @@
 
     bench/peers/.venv/bin/python bench/peers/trl_grpo.py --model models/demo/policy --rows ROWS.json \
         --steps 30 --max-completion-length 12 --out trl.json
-    ... --model DIR --tokenizer DIR --batch-size 16 --beta 0 ...       # B9r
+    ... --model DIR --tokenizer DIR --batch-size 16 --beta 0 [--bf16] ...       # B9r
 
 ROWS.json: [{"prompt", "answer"}, ...] in the order yatt-hpc's trainers read them (the bench writes it),
 batch-size / 8 a step; the dataset is not shuffled, so step k sees the prompts of yatt-hpc's step k. The policy
@@ -72,15 +72,15 @@ class StepClock(TrainerCallback):
 def grpo_config(out_dir: str, args) -> GRPOConfig:
     """configs/demo_cpu.yaml's GRPO step in TRL's terms: 16 prompts x 8 samples (--batch-size), one on-policy
     update, constant lr 3e-4, clip [0.2, 0.28], k3 KL 0.001 (--beta; 0: no reference model), token-mean loss over
-    the batch (loss_type dapo, TRL's default), grad clip 1.0, fp32, no gradient checkpointing (TRL turns both bf16
-    and checkpointing on by default)."""
+    the batch (loss_type dapo, TRL's default), grad clip 1.0, fp32, no gradient checkpointing; --bf16 gives TRL's
+    own defaults for both: bf16 mixed precision (fp32 weights, bf16 autocast) and gradient checkpointing."""
     return GRPOConfig(
         output_dir=out_dir, use_cpu=True, seed=args.seed, max_steps=args.steps,
         per_device_train_batch_size=args.batch_size, num_generations=8,
         max_completion_length=args.max_completion_length, temperature=1.0, top_k=0, top_p=1.0,
         learning_rate=3e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         beta=args.beta, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", num_iterations=1, shuffle_dataset=False,
-        bf16=False, gradient_checkpointing=False, logging_steps=1, report_to=[], save_strategy="no",
+        bf16=args.bf16, gradient_checkpointing=args.bf16, logging_steps=1, report_to=[], save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0)
 
 
@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--beta", type=float, default=0.001, help="KL coefficient; 0 builds no reference model")
     ap.add_argument("--tokenizer", type=Path, help="HF tokenizer directory (default: the demo's character "
                     "tokenizer as an HF twin)")
+    ap.add_argument("--bf16", action="store_true", help="TRL's defaults: bf16 mixed precision and gradient "
+                    "checkpointing (without: fp32, no checkpointing)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))  # yatt_hpc's tokenizer and verifier need only numpy and transformers

@@ -42,6 +42,7 @@ from yatt_hpc.roles.colocation import holding_devices
 from yatt_hpc.roles.partial import PartialSegments
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.rollout import GenerationRequest, GenerationResult, build_engine
+from yatt_hpc.runtime.allocator import give_back_freed_memory
 from yatt_hpc.runtime.rank_stats import RankStats
 from yatt_hpc.sched.finished import FinishedResults
 from yatt_hpc.sched.overdispatch import RolloutWork
@@ -97,7 +98,10 @@ class RolloutController(PartialSegments, BaseController):
         self.generate_waves()
         if self.drop_before_sync:  # CPU colocation: the trainer's phase gets this engine's weight memory
             freed = self.engine.drop_weights()
-            log.debug("engine weights freed until the sync refills them: %.1f MB", freed / 2**20)
+            # back to the kernel, whatever their size: blocks of every size come from the heap (runtime/allocator.py)
+            returned = give_back_freed_memory(at_least=freed // 2) if freed else 0
+            log.debug("engine weights freed until the sync refills them: %.1f MB (heap trimmed: %.1f MB free)",
+                      freed / 2**20, returned / 2**20)
         self.receive_weights()
 
     def evaluate(self, step: int) -> None:
