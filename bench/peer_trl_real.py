@@ -105,7 +105,8 @@ def yatt_config(model: str, problems: Path, args, precision: str) -> dict:
             "placement": {"mode": "colocate", "node_cpus": os.cpu_count(),
                           "trainer": {"nodes": 1, "tasks_per_node": 1, "tp": 1, "dp": 1},
                           "rollout": {"nodes": 1, "tasks_per_node": 1}, "genrm": {"nodes": 1, "tasks_per_node": 1}},
-            "checkpoint": {"interval": 0}, "logging": {"trackers": [], "progress": False}}
+            # the run's one save, at its end, writes from the live state (no staging copy): TRL saves nothing
+            "checkpoint": {"interval": 0, "staging_mb": 0}, "logging": {"trackers": [], "progress": False}}
 
 
 def run_yatt(config: Path, root: Path, tag: str) -> dict:
@@ -148,7 +149,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps a run (steps 2..N-1 are measured)")
     ap.add_argument("--prompts", type=int, default=2, help="prompts a step (x 8 samples)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--micro-batch", type=int, default=4, help="yatt-hpc's samples a micro-batch")
+    ap.add_argument("--micro-batch", type=int, default=2, help="yatt-hpc's samples a micro-batch")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--precision", choices=[*DTYPES, "both"], default="both")
     args = ap.parse_args()

@@ -93,3 +93,35 @@ def test_policy_scores_tokens_at_the_rollout_temperature(one_rank_world, tempera
     with torch.no_grad():  # and at temperature 1 they would not agree: the check has teeth
         plain, _ = token_logprobs_and_entropy(logits, ids[:, 1:], policy.tp_group, policy.hf_config.vocab_size, 1.0)
     assert np.abs(plain[0, len(prompt) - 1:].numpy() - result.logprobs).max() > 1e-2
+
+
+@pytest.mark.parametrize("grad_clip", [1e-3, 0.0])  # clipped, and not
+def test_a_bf16_step_at_dp1_makes_one_master_gradient_at_a_time_with_the_same_weights(one_rank_world, grad_clip):
+    """One replica has nothing to all-reduce, so its fp32 master gradients are made, clipped, stepped and dropped
+    one parameter at a time (optimizer_step.py `_streamed_mixed_step`): the same norm, masters, bf16 weights and
+    AdamW state, bitwise, as the step that holds them all."""
+    from yatt_hpc.train.policy import MegatronPolicy
+
+    def policy():
+        torch.manual_seed(0)
+        return MegatronPolicy.from_hf(DEMO / "policy", 0, 1, TrainConfig(lr=1e-3, micro_batch_size=4, grad_clip=grad_clip),
+                                      dtype=torch.bfloat16)
+
+    streamed, held = policy(), policy()
+    held._streams_master_grads = lambda: False
+    assert streamed._streams_master_grads()
+    most = []
+    step = streamed.optimizer.step
+    streamed.optimizer.step = lambda: (most.append(sum(m.grad is not None for m in streamed.master.values())), step())
+
+    batch, adv = _batch(streamed.hf_config.vocab_size)
+    for _ in range(2):
+        a, b = streamed.update(batch, adv), held.update(batch, adv)
+        assert a.grad_norm == b.grad_norm and a.loss == b.loss
+    assert not grad_clip or a.grad_norm > grad_clip  # the clipped case clips
+    assert most and max(most) == 1  # never more than one fp32 master gradient
+    for name, p in streamed.model.named_parameters():
+        assert torch.equal(p, dict(held.model.named_parameters())[name]), name
+        assert torch.equal(streamed.master[name], held.master[name]), name
+    for s, h in zip(streamed.optimizer.state.values(), held.optimizer.state.values()):
+        assert all(torch.equal(torch.as_tensor(s[k]), torch.as_tensor(h[k])) for k in ("exp_avg", "exp_avg_sq", "step"))

@@ -24,7 +24,8 @@ another C library nothing changes. `GLIBC_ENVIRONMENT` is the same settings as t
 process we do not start ourselves (the peers in bench/).
 
 The exception is colocation, where phases take the memory in turn as they take the cores: when a rank's
-phase ends with at least `GIVE_BACK_BYTES` free in its heap (a real-size trainer's activations: GBs), the
+phase ends with at least `GIVE_BACK_BYTES` free in its heap (a real-size trainer's activations: GBs; a
+0.5B bf16 trainer's gradients and the activations it keeps: ~1.5 GB, some of it in holes below the heap's top), the
 heap is trimmed (`malloc_trim`) so the next phase's rank can have it; the next step faults those pages in
 again. A small working set (the demo's) stays.
 """
@@ -53,7 +54,7 @@ def keep_freed_memory(environ=os.environ) -> str:
     return "freed memory kept for reuse (malloc maps no block on its own, trim threshold 2 GiB)"
 
 
-GIVE_BACK_BYTES = 1 << 30
+GIVE_BACK_BYTES = 256 << 20
 
 
 class _Mallinfo2(ctypes.Structure):

@@ -9,6 +9,7 @@ on the fp32 masters of a bf16 model or on the parameters, and what a checkpoint 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -37,6 +38,8 @@ class OptimizerStep:
         """DP-sum the gradients, clip them by the global norm, step; the norm before clipping."""
         if self.pipeline is not None:
             sync_tied_embeddings(self.model)  # the first stage's embeddings and the last's head: one update
+        if not self.sharded and self._streams_master_grads():
+            return self._streamed_mixed_step()
         if not self.sharded:
             self._grads_to_master()
             self._allreduce_grads()
@@ -53,6 +56,35 @@ class OptimizerStep:
         allreduce_bucketed(list(grads.values()), self.dp_group, GRAD_BUCKET_MB * 2**20)
         norm = self._clip_grads([(self.named_params[n], g) for n, g in grads.items()])
         self.optimizer.step(grads)
+        return norm
+
+    def _streams_master_grads(self) -> bool:
+        """A bf16 model with nothing to reduce (one data-parallel replica, no expert-data-parallel peers): its
+        fp32 master gradients are made one at a time inside the step (`_streamed_mixed_step`)."""
+        if not self.mixed or torch.distributed.get_world_size(self.dp_group) > 1:
+            return False
+        return not (self.experts.count > 1 and
+                    torch.distributed.get_world_size(parallel_state.get_expert_data_parallel_group()) > 1)
+
+    def _streamed_mixed_step(self) -> float:
+        """The step of `_optimizer_step` for a bf16 model at dp 1, without holding every fp32 master gradient
+        at once (they are as large as the masters: 4 bytes a parameter, 2 GB at 0.5B): the norm is summed from
+        the bf16 gradients widened one at a time, then each parameter's master gradient is made, clipped, stepped
+        and dropped in turn. Each value is the one the batched step computes (the widening is exact, the sums run
+        in the same order, AdamW updates each parameter on its own), so the weights are bitwise the same."""
+        names = [n for n, p in self.named_params.items() if p.grad is not None]
+        widened = ((self.master[n], self.named_params[n].grad.float()) for n in names)
+        norm = self._clip_grads(widened, scale_in_place=False)
+        scale = self._clip_scale(norm)
+        for name in names:
+            p, master = self.named_params[name], self.master[name]
+            master.grad, p.grad = p.grad.float(), None
+            if scale is not None:
+                master.grad.mul_(scale)
+            self.optimizer.step()  # AdamW skips the parameters with no gradient: this one alone
+            master.grad = None
+            with torch.no_grad():
+                p.copy_(master)
         return norm
 
     def _allreduce_grads(self) -> None:
@@ -135,9 +167,10 @@ class OptimizerStep:
         state = {k: v for k, v in full.items() if not k.endswith(".master")}
         load_optimizer_tensors(self.optimizer, self.master.items(), state, meta)
 
-    def _clip_grads(self, grads: list[tuple[torch.Tensor, torch.Tensor | None]]) -> float:
+    def _clip_grads(self, grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]], scale_in_place: bool = True) -> float:
         """Global L2 norm over the whole (TP-sharded) model of the (parameter, gradient) pairs; clip the
-        gradients to `grad_clip` if set."""
+        gradients to `grad_clip` if set (`scale_in_place`; else the caller scales them by `_clip_scale`)."""
+        grads = list(grads) if scale_in_place else grads
         # summed on the parameters' device: NCCL reduces device tensors only, and one sync at the end
         sharded, replicated = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         experts = torch.zeros((), device=self.device)  # ep > 1: this rank's own experts (tp-split like dense MLPs)
@@ -160,12 +193,18 @@ class OptimizerStep:
         if self.pipeline is not None:  # every stage's layers
             total = self.pipeline.sum(total)
         norm = math.sqrt(float(total))
-        if self.cfg.grad_clip and norm > self.cfg.grad_clip:
-            scale = self.cfg.grad_clip / (norm + 1e-6)
+        scale = self._clip_scale(norm)
+        if scale is not None and scale_in_place:
             for _, g in grads:
                 if g is not None:
                     g.mul_(scale)
         return norm
+
+    def _clip_scale(self, norm: float) -> float | None:
+        """The factor the gradients are clipped by at this norm (None: not clipped)."""
+        if self.cfg.grad_clip and norm > self.cfg.grad_clip:
+            return self.cfg.grad_clip / (norm + 1e-6)
+        return None
 
 
 def master_copy(p: torch.Tensor) -> torch.Tensor:
