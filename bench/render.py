@@ -120,13 +120,18 @@ BENCHES = [
         "from a decode step of few ops. Start-up is imports and model builds on every rank, and moves most with "
         "machine load. B9 needs TRL's venv (`bash bench/peers/setup.sh`).")),
     Bench("B9r", "peer_trl_real", run=False, limits=(
-        "Memory is under TRL's: in CPU colocation the engine frees its weights until the sync refills them, the "
-        "trainer frees its gradients before the sync, and a phase that ends with a large free heap gives it back, "
-        "so three processes together hold less than TRL's one. Time is not: the trainer runs 4-sample "
-        "micro-batches with full recomputation (a second forward per micro-batch), the weight sync moves the "
-        "whole model between processes every step (TRL generates with the model it trains), and the 3 ranks "
-        "share 2 cores with one another, where TRL's one process has both. Run by hand (~12 min; needs TRL's "
-        "venv).")),
+        "In bf16 generation is where we gain: the engine holds bf16 weights (1 GB) and samples 16 rows in ~9 s, "
+        "where TRL's autocast generates from its fp32 weights in ~20 s; training is even (full recomputation and "
+        "micro-batches of 2 on our side, gradient checkpointing and one micro-batch on TRL's), and the weight "
+        "sync (2-3 s a step, the whole model between processes; TRL generates with the model it trains) takes "
+        "back part of the gain. Memory is just over TRL's: the trainer alone peaks at 9.8 GB (bf16 weights, fp32 "
+        "masters and AdamW moments, the bf16 gradients of the backward, one micro-batch's activations) against "
+        "TRL's 10.5 GB process, and the engine without its weights (0.5 GB) and the GenRM rank, which loads the "
+        "HF tokenizer and with it torch (0.35 GB), come on top. In fp32 the engine samples no faster than TRL "
+        "(the 151,936-row head alone took ~10x longer a decode step in fp32 than in bf16 here), the trainer "
+        "recomputes activations TRL keeps, "
+        "and the sync moves 2 GB a step, so the step is slower while memory is under TRL's. The step times are "
+        "from steps 2..3 of 4, and TRL's were still falling. Run by hand (~17 min; needs TRL's venv).")),
     Bench("B10", "ckpt_memory", limits=(
         "A save's staging copy is the rank's whole tensor state (fp32 parameters and AdamW moments, ~12 bytes a "
         "parameter) up to checkpoint.staging_mb; past the cap the rest is written before the step goes on, so "

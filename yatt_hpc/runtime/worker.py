@@ -72,7 +72,13 @@ def leader_console():
 def build_controller(world, cfg, run_dir: Path, stats, protocol):
     from yatt_hpc.roles.colocation import set_phase_threads
 
-    set_phase_threads(*world.plan.phase_threads(world.group))
+    idle, active = world.plan.phase_threads(world.group)
+    set_phase_threads(idle, active)
+    if cfg.placement.mode == "colocate" and not world.plan.device_ids(world.rank):  # the cores are the devices
+        logging.getLogger(__name__).info(
+            "colocated on CPU: %d torch thread(s) in this rank's phase, %d outside it (placement.node_cpus=%s%s)",
+            active, idle, cfg.placement.node_cpus,
+            ": the most a group asks of the node; set it to the node's cores" if cfg.placement.node_cpus is None else "")
     if world.group == "trainer":
         from yatt_hpc.roles.trainer import TrainerController
 
