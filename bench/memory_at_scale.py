@@ -117,6 +117,7 @@ class Layout:
     samples: int = 4                                 # responses of the rank's one prompt
     lengths: tuple[int, int] = (240, 480)            # response tokens at the two points
     budget_responses: int = 0                        # > 0: max_tokens_per_micro_batch = prompt + this many responses
+    dtype: str = "float32"                           # model.dtype: bfloat16 keeps fp32 masters and AdamW
 
     @property
     def ranks(self) -> int:
@@ -134,6 +135,8 @@ LAYOUTS = [
            lengths=(32, 64)),  # two 0.5B ranks at once on this machine: short responses
     Layout("selective", "train.recompute: selective", {"recompute": "selective"}),
     Layout("full", "train.recompute: full (1 layer a chunk)", {"recompute": "full"}),
+    Layout("bf16", "model.dtype: bfloat16 (bf16 weights and gradients, fp32 masters and AdamW; not in the paper "
+           "table)", dtype="bfloat16"),
     Layout("budget", "responses 2x as long, train.max_tokens_per_micro_batch: one of them", lengths=(480, 960),
            budget_responses=1),
     # calibration: the same layouts with fewer layers. tp 2 at 12 layers keeps two ranks small; its log-prob chunks
@@ -227,7 +230,8 @@ def measure_rank(layout: Layout, length: int) -> dict:
     plan = plan_update(batch, cfg, length, gather=gather, reduce=reduce)
     comm.Barrier()
     base = resident()  # the process, torch, Megatron and the process groups: everything but the model
-    model = mm.build_gpt_model(config, layout.tp, recompute=mm.Recompute.of(cfg))
+    model = mm.build_gpt_model(config, layout.tp, params_dtype=getattr(torch, layout.dtype),
+                               recompute=mm.Recompute.of(cfg))
     policy = MegatronPolicy(model, config, cfg, share_prompts=cfg.share_prompts)
     built = resident()
     phases = {"micro": [], "activations": [], "held": [], "optimizer": []}
@@ -506,7 +510,7 @@ def main() -> None:
             ranks.setdefault(layout.name, {})[str(length)] = found
             print(f"{layout.name} at {length}: {json.dumps(found[0])}", flush=True)
     rows, table = measured_rows(results)
-    print_table("B12 measured: one trainer rank, Qwen2.5-0.5B layout, fp32, CPU (GB = 1e9 bytes)", MEASURED_COLUMNS,
+    print_table("B12 measured: one trainer rank, Qwen2.5-0.5B layout, fp32 but bf16, CPU (GB = 1e9 bytes)", MEASURED_COLUMNS,
                 table)
     needed = {"plain", "sharded-dp2", "tp2", "tp2-6-layers", "6-layers", "full", "full-6-layers"}
     raw = {"results": results, "ranks": ranks, "layouts": [asdict(x) for x in LAYOUTS]}
@@ -532,7 +536,8 @@ def main() -> None:
                 f"rank ({cal.unsharded_per_param:.1f} weights + gradients, {cal.optimizer_per_param:.1f} AdamW "
                 f"moments), activations {slope(results['plain']) / MB:.2f} MB/token at 24 layers "
                 f"({slope(results['full']) / MB:.2f} with full recompute); {headline(paper)}",
-        notes=(f"{plain['params'] / 1e6:.0f} M parameters at 24 layers, fp32, random weights; a layout's two points "
+        notes=(f"{plain['params'] / 1e6:.0f} M parameters at 24 layers, fp32 (bf16: model.dtype bfloat16), random "
+               "weights; a layout's two points "
                "differ only in response length; GB = 1e9 bytes, over what the rank held before the model existed; "
                "update times move with the machine's load (other work shared it), the bytes do not. "
                f"What the on-paper table uses (bytes): weights + gradients {cal.unsharded_per_param:.2f} and AdamW "

@@ -146,9 +146,11 @@ BENCHES = [
         "other work and move by 1.5x between runs; recomputation's second forward and the budget's smaller "
         "matmuls cost time, not measured closely here.")),
     Bench("B12", "memory_at_scale", limits=(
-        "CPU and fp32 only: bf16 matmuls run ~90x slower than fp32 on this CPU (0.85 against 76 GFLOPS), so the bf16 "
-        "model with fp32 masters an H200 run uses is not measured; docs/scale.md counts its state (8 + 12/dp bytes a "
-        "parameter against fp32's 8 + 8/dp measured here) and its activations take roughly half these bytes. What the"
+        "The on-paper table counts fp32. The bf16 row is the model an H200 run uses (bf16 weights, fp32 masters "
+        "and AdamW): at dp 1 it holds 16.1 bytes a parameter as fp32 does, because its fp32 master gradients are "
+        "made one at a time in the step (with dp > 1 they are all held: 8 + 12/dp bytes with the sharded "
+        "optimizer, docs/scale.md), and its activations take 0.54x fp32's bytes a token; its update is 3.7x "
+        "faster than fp32's here (this CPU has AVX-512 BF16). What the"
         " rows say: sharding divides only the 8 bytes of AdamW moments; selective recomputation saves little (4.35 "
         "against 4.56 MB/token) because the shared-prompt attention runs SDPA's fused kernel, which keeps no score "
         "matrix; full recomputation keeps one fp32 hidden-wide tensor a layer, after which the logits (two fp32 "
