@@ -16,7 +16,8 @@ with NCCL.)
 
 Mixed precision (`model.dtype: bfloat16`): the Megatron model holds bf16 parameters (forward,
 backward, weight sync and the engines all in bf16); AdamW runs on fp32 master copies. After a
-backward the bf16 gradients are moved into fp32 master gradients, reduced and clipped there; the
+backward the bf16 gradients are moved into fp32 master gradients, reduced and clipped there (with one
+data-parallel replica, nothing to reduce, one parameter at a time: `train/optimizer_step.py`); the
 optimizer steps the masters and the bf16 parameters are rounded from them. Checkpoints hold the
 fp32 masters, so a resumed bf16 run continues from exactly the same state.
 
