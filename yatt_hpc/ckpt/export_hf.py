@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.errors import CheckpointError
-from yatt_hpc.ckpt.loader import read_weights, saved_split
+from yatt_hpc.ckpt.loader import read_weights, recorded_split
 from yatt_hpc.ckpt.manifest import verify_step
 from yatt_hpc.ckpt.state import read_records, read_shared
 
@@ -80,7 +80,7 @@ def export_hf(run_dir: str | Path, step: int, out: str | Path, model_dir: str | 
 
     step_dir, src, hf_config, lora = _open_step(run_dir, step, model_dir)
     shards = [[read_weights(step_dir, tp, pp) for tp, _ in stage] for pp, stage in enumerate(_shard_grid(step_dir))]
-    split = _stage_split(step_dir)
+    split = recorded_split(step_dir)
     if lora is None:
         hf_sd = stages_to_hf(shards, hf_config, emit_tied_lm_head=False, split=split)
     else:
@@ -166,12 +166,7 @@ def export_peft(run_dir: str | Path, step: int, out: str | Path, model_dir: str 
     shards = [[load_file(str(p)) for p in stage] for stage in _ordered_shards(step_dir)]
     config = adapter_config(lora["rank"], lora["alpha"], lora.get("dropout", 0.0), targets_of(shards[0][0]),
                             hf_config, str(src))
-    return save_peft(out, megatron_to_peft(shards, hf_config, _stage_split(step_dir)), config)
-
-
-def _stage_split(step_dir: Path) -> tuple[int, int] | None:
-    """The uneven pipeline stages the checkpoint's trainer was split into (None: even ones)."""
-    return saved_split([r for r in read_records(step_dir / layout.STATE_FILE) if r.identity.startswith("trainer/")])
+    return save_peft(out, megatron_to_peft(shards, hf_config, recorded_split(step_dir)), config)
 
 
 def _open_step(run_dir: str | Path, step: int, model_dir: str | Path | None):

@@ -82,6 +82,16 @@ def saved_split(trainers: list) -> tuple[int, int] | None:
     return next(iter(found), None)
 
 
+def recorded_split(step_dir: Path) -> tuple[int, int] | None:
+    """The stage split of the checkpoint in `step_dir`, from its trainer records (`saved_split`)."""
+    return saved_split([r for r in read_records(step_dir / layout.STATE_FILE) if r.identity.startswith("trainer/")])
+
+
+def split_text(split: tuple[int, int] | None) -> str:
+    """A stage split as the messages name it: even stages, or the `placement.trainer.pp_layers` value."""
+    return "even stages" if split is None else f"placement.trainer.pp_layers={list(split)}"
+
+
 def find_latest(ckpt_dir: Path, quarantine: bool = False) -> tuple[int | None, list[tuple[int, str]]]:
     """The highest step that verifies, and the (step, reason) of every newer one that did not.
 
@@ -207,7 +217,7 @@ class Shards:
     split: tuple[int, int] | None = None
 
     def stages_text(self) -> str:
-        return "even stages" if self.split is None else f"pp_layers={list(self.split)}"
+        return split_text(self.split)
 
 
 def _convert():

@@ -26,8 +26,8 @@ from typing import Self
 from yatt_hpc.ckpt import layout
 from yatt_hpc.ckpt.commit import clean_incomplete, commit, quiet_barrier, rank_files, write_rank_files, write_unstaged
 from yatt_hpc.ckpt.errors import CheckpointError, describe_write_error
-from yatt_hpc.ckpt.loader import Restored, find_latest, read_rank, read_weights, saved_split
-from yatt_hpc.ckpt.state import SharedState, read_records
+from yatt_hpc.ckpt.loader import Restored, find_latest, read_rank, read_weights, recorded_split, split_text
+from yatt_hpc.ckpt.state import SharedState
 from yatt_hpc.ckpt.writer import BackgroundWriter, RankState, Staging, snapshot
 from yatt_hpc.metrics.activity import ACTIVITY
 
@@ -245,13 +245,10 @@ class CheckpointManager:
         step, where = self.comm.bcast(answer, root=self.leader)
         if step is None:
             raise CheckpointError(where)
-        saved = saved_split([r for r in read_records(Path(where) / layout.STATE_FILE) if r.identity.startswith("trainer/")])
+        saved = recorded_split(Path(where))
         if saved != split:
-            def named(s):
-                return "even stages" if s is None else f"placement.trainer.pp_layers={list(s)}"
-
-            raise CheckpointError(f"checkpoint.load_from={source} was written with {named(saved)} and this run has "
-                                  f"{named(split)}; use its split, or export it with `yatt-hpc ckpt export-hf` and point "
+            raise CheckpointError(f"checkpoint.load_from={source} was written with {split_text(saved)} and this run has "
+                                  f"{split_text(split)}; use its split, or export it with `yatt-hpc ckpt export-hf` and point "
                                   "model.path at the export")
         return step, read_weights(Path(where), tp, pp)
 
