@@ -45,7 +45,7 @@ BIG_ROUNDS = ROUNDS.replace("np.ones(6 << 17) for _ in range(8)", "np.ones(8 << 
 def test_a_block_past_the_mapping_ceiling_is_reused_too():
     default, kept = (int(subprocess.run([sys.executable, "-c", BIG_ROUNDS, mode], capture_output=True, text=True,
                                         check=True).stdout) for mode in ("default", "keep"))
-    assert default > 4 * 32  # 4 rounds x at least 32 pages (2 MiB ones where the kernel gives huge pages)
+    assert default >= 4 * 32  # 4 rounds x at least 32 faults: a fresh 64 MiB mapping, even in 2 MiB huge pages
     assert kept < default / 20, (kept, default)
 
 
