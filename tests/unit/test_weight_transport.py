@@ -5,6 +5,7 @@ shipped config, the refusals, the pairs' owners, and the manifest and bucket for
 """
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,6 +163,26 @@ def test_buckets_are_bounded_the_last_is_final_and_a_big_tensor_goes_alone():
     got = [([n for n, _ in bucket], final) for bucket, final in iter_buckets(iter(weights), limit=100)]
     assert got == [(["a", "b"], False), (["big"], False), (["c"], True)]
     assert list(iter_buckets(iter([]), limit=100)) == [([], True)]
+
+
+def test_an_mpi_bucket_of_one_tensor_is_sent_and_loaded_without_a_copy():
+    """A tensor alone in its bucket (a real vocabulary's embedding) goes from its own bytes and is loaded from the
+    received buffer; a bucket of several is one payload, unpacked into tensors of their own, round-tripping
+    every dtype and shape."""
+    from yatt_hpc.comm.weight_sync import _mpi_bucket, _unpack_mpi
+
+    big = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    body, payload = _mpi_bucket([("embed", big)], final=True)
+    assert np.shares_memory(payload, big.view(torch.uint8).numpy()), "sent from the tensor's own bytes"
+    (name, got), = _unpack_mpi(body, payload)
+    assert name == "embed" and torch.equal(got, big) and got.data_ptr() == payload.ctypes.data
+
+    small = [("a", torch.arange(3, dtype=torch.bfloat16)), ("b", torch.arange(6, dtype=torch.float32).reshape(2, 3))]
+    body, payload = _mpi_bucket(small, final=False)
+    assert not any(np.shares_memory(payload, t.view(torch.uint8).numpy()) for _, t in small)
+    unpacked = _unpack_mpi(body, payload)
+    assert [n for n, _ in unpacked] == ["a", "b"] and all(torch.equal(u, t) for (_, u), (_, t) in zip(unpacked, small))
+    assert all(not np.shares_memory(payload, u.view(torch.uint8).numpy()) for _, u in unpacked), "their own storage"
 
 
 def test_a_pipelined_trainer_sends_over_mpi_and_refuses_collective():

@@ -16,7 +16,8 @@ TAG_WEIGHTS_DONE); `receive_weights` refuses a message of another transport, nam
 
 A message is an int64 pair (envelope bytes, payload bytes), a JSON envelope {kind, transport, body}
 and the payload, if any. Tensor data is never pickled: the mpi payload is raw bytes; ipc pickles only
-the handles (`comm/weight_ipc.py`). A single tensor larger than the bucket goes alone in its own bucket.
+the handles (`comm/weight_ipc.py`). A single tensor larger than the bucket goes alone in its own bucket,
+sent from the tensor's own bytes and loaded from the received buffer (no copy on either side).
 """
 from __future__ import annotations
 
@@ -133,7 +134,9 @@ def _mpi_bucket(bucket: Bucket, final: bool) -> tuple[dict, np.ndarray]:
                         "offset": offset, "nbytes": int(flat.size)})
         chunks.append(flat)
         offset += flat.size
-    return {"final": final, "tensors": entries}, (np.concatenate(chunks) if chunks else np.zeros(0, np.uint8))
+    # a bucket of one tensor (one over the bucket size: a real vocabulary's embedding) goes from its own bytes
+    payload = chunks[0] if len(chunks) == 1 else np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
+    return {"final": final, "tensors": entries}, payload
 
 
 def send_message(comm, dest: int, kind: str, transport: str, body: dict, payload: np.ndarray | None = None) -> int:
@@ -162,9 +165,14 @@ def recv_message(comm, source: int) -> tuple[dict, np.ndarray]:
 
 
 def _unpack_mpi(body: dict, payload: np.ndarray) -> Bucket:
-    raw = torch.from_numpy(payload)
-    return [(e["name"], raw[e["offset"]: e["offset"] + e["nbytes"]].view(_DTYPES[e["dtype"]]).reshape(e["shape"]).clone())
-            for e in body["tensors"]]
+    """The bucket's tensors: each its own copy of its bytes (so aligned for its dtype whatever lies before it),
+    except a bucket's only tensor, which is the received buffer itself (no second copy of a 0.3 GB embedding)."""
+    raw, alone = torch.from_numpy(payload), len(body["tensors"]) == 1
+    bucket = []
+    for e in body["tensors"]:
+        piece = raw[e["offset"]: e["offset"] + e["nbytes"]]
+        bucket.append((e["name"], (piece if alone else piece.clone()).view(_DTYPES[e["dtype"]]).reshape(e["shape"])))
+    return bucket
 
 
 def receive_weights(comm, sources: int | list[int], engine, transport: str) -> int:

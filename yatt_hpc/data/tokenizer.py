@@ -11,6 +11,14 @@ A directory that holds `yatt_tokenizer.json` has the demo's character tokenizer
 `Tokenizer`, so nothing else needs to know which one a model has. Lengths are always counted in
 tokens of this interface.
 
+    text = load_decoder("models/qwen").decode(response_ids)   # the same text, from tokenizer.json alone
+
+A rank that only turns ids into text (a GenRM rank scoring by rule) takes `load_decoder`: for a
+tokenizer whose transformers class decodes with its backend as is (`DECODES_AS_BACKEND`), it reads
+tokenizer.json with the `tokenizers` library and marks the tokens transformers marks special, so
+its text equals `HFTokenizer.decode` without importing transformers or torch (~0.06 GB a rank
+against ~0.3 GB); any other tokenizer gets `load_tokenizer`'s.
+
 The pitfalls it exists for: an HF `decode` keeps special tokens by default (`<|im_end|>` in the
 text a verifier compares: reward 0 on correct answers), and `encode` adds special tokens by default
 (a second BOS after a chat template that already holds one).
@@ -138,6 +146,72 @@ def model_eos_ids(model_dir: str | Path) -> set[int]:
             if value is not None:
                 return {int(v) for v in (value if isinstance(value, list) else [value])}
     return set()
+
+
+# transformers classes whose decode is the backend's (tokenizer.json's), special tokens skipped, plus the
+# clean-up of tokenization spaces when the config asks for it; a class not here may override `_decode`
+DECODES_AS_BACKEND = {"PreTrainedTokenizerFast": None, "TokenizersBackend": None,
+                      # transformers 5 rebuilds Qwen2's byte-level BPE with a ByteLevel decoder, whatever the file says
+                      "Qwen2Tokenizer": "ByteLevel", "Qwen2TokenizerFast": "ByteLevel"}
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class DecodeOnlyTokenizer(Tokenizer):
+    """`HFTokenizer.decode` from tokenizer.json and tokenizer_config.json with the `tokenizers` library alone
+    (see the module docstring); it encodes nothing."""
+
+    has_chat_template = False
+
+    def __init__(self, model_dir: str | Path, config: dict, decoder: str | None) -> None:
+        from tokenizers import AddedToken, decoders
+        from tokenizers import Tokenizer as Backend
+
+        self.backend = Backend.from_file(str(Path(model_dir) / "tokenizer.json"))
+        if decoder == "ByteLevel":
+            self.backend.decoder = decoders.ByteLevel()
+        specials = [_token_text(config.get(k)) for k in SPECIAL_KEYS]
+        specials += [_token_text(t) for k in ("additional_special_tokens", "extra_special_tokens")
+                     for t in (config.get(k) or [])]
+        specials += [t.get("content") for t in (config.get("added_tokens_decoder") or {}).values() if t.get("special")]
+        self.backend.add_special_tokens([AddedToken(t, special=True) for t in dict.fromkeys(filter(None, specials))])
+        self.clean_up = bool(config.get("clean_up_tokenization_spaces")) and (
+            type(self.backend.model).__name__ != "BPE" or
+            bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")))
+        eos = _token_text(config.get("eos_token"))
+        eos_id = None if eos is None else self.backend.token_to_id(eos)
+        self.eos_ids = tuple(sorted(model_eos_ids(model_dir) or ({eos_id} if eos_id is not None else set())))
+        if not self.eos_ids:
+            raise TokenizerError(f"{model_dir}: neither generation_config.json, config.json nor the tokenizer names an "
+                                 "EOS token, so no response could ever end; set eos_token_id in generation_config.json")
+        pad = _token_text(config.get("pad_token"))
+        pad_id = None if pad is None else self.backend.token_to_id(pad)
+        self.pad_id = pad_id if pad_id is not None else self.eos_ids[0]
+        self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text = self.backend.decode(self._until_eos(ids), skip_special_tokens=True)
+        if self.clean_up:  # transformers' clean_up_tokenization, in its order
+            for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                                  (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+                text = text.replace(before, after)
+        return text
+
+
+def _token_text(token) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's dict."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def load_decoder(model_dir: str | Path) -> Tokenizer:
+    """What a rank that only decodes needs (see the module docstring): `DecodeOnlyTokenizer` where its text is
+    transformers' own, else `load_tokenizer`'s tokenizer."""
+    directory = Path(model_dir)
+    config_file = directory / "tokenizer_config.json"
+    if (directory / "tokenizer.json").is_file() and config_file.is_file():
+        config = json.loads(config_file.read_text())
+        if config.get("tokenizer_class") in DECODES_AS_BACKEND:
+            return DecodeOnlyTokenizer(directory, config, DECODES_AS_BACKEND[config["tokenizer_class"]])
+    return load_tokenizer(model_dir)
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:

@@ -28,7 +28,7 @@ from yatt_hpc.comm.transport import (
     wait_for_any,
 )
 from yatt_hpc.config.schema import RunConfig
-from yatt_hpc.data.tokenizer import load_tokenizer
+from yatt_hpc.data.tokenizer import load_decoder
 from yatt_hpc.reward.function import row_metadata
 from yatt_hpc.reward.template import load_judge_template
 from yatt_hpc.reward.terms import RewardTerms, ScoringRows
@@ -55,7 +55,7 @@ class GenRMController(PartialScoring, BaseController):
         self.routes = Routes(world.plan)
         self.round = training_round(cfg)  # validation's in `evaluate`
         self.colocate = world.plan.mode == "colocate"
-        self.policy_tokenizer = load_tokenizer(cfg.model.path)
+        self.policy_tokenizer = load_decoder(cfg.model.path)  # decodes only: no transformers here
         rc = cfg.reward
         self.judge = None
         if rc.mode != "rule_only":  # rule-only: no engine, and no torch imported on this rank at all

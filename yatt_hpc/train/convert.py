@@ -387,7 +387,7 @@ def iter_megatron_to_hf(
 
 
 def _iter_hf(arch: HFArch, shards_of, emit_tied_lm_head: bool, megatron_names: Sequence[str],
-             vision: bool = True, stage: Stage = Stage(), experts: Experts = Experts(),
+             vision: bool = True, stage: Stage = Stage(), experts: Experts = Experts(), copy: bool = True,
              ) -> Iterator[tuple[str, torch.Tensor]]:
     """Drive ``_to_hf`` over every rule of `stage` (and expert rank `experts`); ``shards_of(rule)`` returns that
     tensor's TP shards. ``megatron_names`` (the trainer-side names) list a vision model's tower tensors (none:
@@ -398,24 +398,27 @@ def _iter_hf(arch: HFArch, shards_of, emit_tied_lm_head: bool, megatron_names: S
     for unit in units:
         for rule in unit:
             if not rule.copy:
-                yield from _to_hf(rule, shards_of(rule), arch)
+                yield from _to_hf(rule, shards_of(rule), arch, copy)
     if arch.tied_embeddings and emit_tied_lm_head and stage.first:
         rule = Rule("embedding.word_embeddings.weight", ("lm_head.weight",), Split.VOCAB)
-        yield from _to_hf(rule, shards_of(rule), arch)
+        yield from _to_hf(rule, shards_of(rule), arch, copy)
 
 
-def _to_hf(rule: Rule, shards: list[torch.Tensor], arch: HFArch) -> Iterator[tuple[str, torch.Tensor]]:
+def _to_hf(rule: Rule, shards: list[torch.Tensor], arch: HFArch, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of one rule's TP shards; `copy=False`: one shard's tensors that need no reorder (all but the
+    fused QKV and GPT-2's transposed Conv1D) come as views of it instead of copies."""
+    cat = torch.cat if copy else lambda ts, dim=0: ts[0] if len(ts) == 1 else torch.cat(ts, dim=dim)
     if rule.split is Split.REPLICATED:
         tensors = [shards[0]]
     elif rule.split is Split.ROW:
-        tensors = [torch.cat(shards, dim=1)]
+        tensors = [cat(shards, dim=1)]
     elif rule.split is Split.COLUMN:
-        tensors = [torch.cat(shards)]
+        tensors = [cat(shards)]
     elif rule.split is Split.VOCAB:
-        tensors = [torch.cat(shards)[: arch.vocab_size]]
+        tensors = [cat(shards)[: arch.vocab_size]]
     elif rule.split is Split.GATE_UP:
         halves = [s.chunk(2) for s in shards]
-        tensors = [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        tensors = [cat([h[0] for h in halves]), cat([h[1] for h in halves])]
     else:
         tensors = _deinterleave_qkv(torch.cat(shards), arch)
         if len(rule.hf) == 1:
@@ -443,14 +446,16 @@ def _deinterleave_qkv(fused: torch.Tensor, arch: HFArch) -> list[torch.Tensor]:
 def iter_gathered_hf_weights(
     model: torch.nn.Module, hf_config: Any, tp_group: Any, emit_tied_lm_head: bool = True, vision: bool = True,
     stage: Stage = Stage(), local: Mapping[str, torch.Tensor] | None = None, experts: Experts = Experts(),
-    experts_only: bool = False,
+    experts_only: bool = False, copy: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """All-gather the live model's TP shards one tensor at a time and yield full HF tensors (of the
     model's pipeline `stage`: its layers under their HF names).
 
     ``model`` is the bare GPTModel (unprefixed state-dict names, not a DDP wrapper).
     Collective: every rank of ``tp_group`` must drain the iterator in lockstep. Every rank gets the
-    full tensors; callers usually keep them on TP rank 0 only. Peak extra memory is one tensor.
+    full tensors; callers usually keep them on TP rank 0 only. Peak extra memory is one tensor; at tp 1
+    none for the tensors that need no reorder: those come as views of the live parameters (read each
+    before the next optimizer step; `gather_hf_state_dict` copies).
     ``vision=False`` leaves out a vision model's tower (frozen: the engines already hold it). ``local`` stands in
     for the model's state dict (LoRA's merged weights, computed as each tensor is asked for). A MoE model yields
     the experts its expert-parallel rank `experts` owns: each expert comes from the ranks that hold it;
@@ -469,16 +474,16 @@ def iter_gathered_hf_weights(
     names = list(local) if vision else [n for n in local if not n.startswith(MEGATRON_VISION)]
     if experts_only:
         for rule in (r for unit in weight_rules(arch, stage, experts) for r in unit if is_expert(r.megatron)):
-            yield from _to_hf(rule, shards_of(rule), arch)
+            yield from _to_hf(rule, shards_of(rule), arch, copy)
         return
-    yield from _iter_hf(arch, shards_of, emit_tied_lm_head, names, vision, stage, experts)
+    yield from _iter_hf(arch, shards_of, emit_tied_lm_head, names, vision, stage, experts, copy)
 
 
 def gather_hf_state_dict(
     model: torch.nn.Module, hf_config: Any, tp_group: Any, emit_tied_lm_head: bool = True
 ) -> StateDict:
     """The full HF state dict of the live TP-sharded model, on every rank of ``tp_group``."""
-    return dict(iter_gathered_hf_weights(model, hf_config, tp_group, emit_tied_lm_head))
+    return dict(iter_gathered_hf_weights(model, hf_config, tp_group, emit_tied_lm_head, copy=True))
 
 
 def _all_gather(tensor: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:

@@ -70,13 +70,16 @@ class OptimizerStep:
         """The step of `_optimizer_step` for a bf16 model at dp 1, without holding every fp32 master gradient
         at once (they are as large as the masters: 4 bytes a parameter, 2 GB at 0.5B): the norm is summed from
         the bf16 gradients widened one at a time, then each parameter's master gradient is made, clipped, stepped
-        and dropped in turn. Each value is the one the batched step computes (the widening is exact, the sums run
-        in the same order, AdamW updates each parameter on its own), so the weights are bitwise the same."""
+        and dropped in turn, smallest parameter first. Each value is the one the batched step computes (the
+        widening is exact, the sums run in the same order, AdamW updates each parameter on its own), so the
+        weights are bitwise the same."""
         names = [n for n, p in self.named_params.items() if p.grad is not None]
         widened = ((self.master[n], self.named_params[n].grad.float()) for n in names)
         norm = self._clip_grads(widened, scale_in_place=False)
         scale = self._clip_scale(norm)
-        for name in names:
+        # smallest first: each step frees a bf16 gradient, so the largest master gradient (a real vocabulary's
+        # embedding: 0.5 GB at 0.5B) is made when every other gradient is gone; AdamW steps each on its own
+        for name in sorted(names, key=lambda n: self.named_params[n].numel()):
             p, master = self.named_params[name], self.master[name]
             master.grad, p.grad = p.grad.float(), None
             if scale is not None:
@@ -177,7 +180,9 @@ class OptimizerStep:
         for p, g in grads:
             if g is None or getattr(p, "shared", False):  # the last stage's copy of tied embeddings: counted once
                 continue
-            sq = g.detach().float().pow(2).sum()
+            wide = g.detach().float()
+            # a widened copy is squared in place (the same values as pow(2), without a second full-size temporary)
+            sq = (wide.pow_(2) if wide.data_ptr() != g.data_ptr() else wide.pow(2)).sum()
             if getattr(p, "expert_parallel", False):
                 experts += sq
             elif getattr(p, "tensor_model_parallel", False):
