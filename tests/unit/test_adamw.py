@@ -51,6 +51,18 @@ def test_the_update_is_torchs_adamw_bit_for_bit():
     assert not torch.equal(ours_params[0], _params(0)[0]), "the parameters moved"
 
 
+def test_state_is_built_once_for_each_parameter():
+    """A step builds the state of a parameter it has not stepped before and no other (zeros as large as the model,
+    twice, thrown away every step: 1 GB of transient and ~0.3 s per step for a real vocabulary's embedding)."""
+    params = _params(0)
+    opt = AdamW(params, **HYPER)
+    built = []
+    real = opt._new_state
+    opt._new_state = lambda p, fused: (built.append(p), real(p, fused))[1]
+    _run(opt, params, range(3))
+    assert len(built) == len(params) and {id(p) for p in built} == {id(p) for p in params}
+
+
 def test_a_parameter_without_a_gradient_is_left_alone_and_has_no_state():
     params = _params(1)
     opt = AdamW(params, **HYPER)

@@ -81,7 +81,10 @@ class AdamW:
         params = [p for p in self.params if p.grad is not None]
         if not params:
             return
-        states = [self.state.setdefault(p, self._new_state(p, group["fused"])) for p in params]
+        for p in params:  # a new parameter's state only: setdefault would build (and drop) zeros every step
+            if p not in self.state:
+                self.state[p] = self._new_state(p, group["fused"])
+        states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         adam(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
              [], [s["step"] for s in states], fused=group["fused"] or None,

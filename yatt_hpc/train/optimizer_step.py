@@ -24,6 +24,8 @@ class OptimizerStep:
     """`MegatronPolicy` provides `model`, `named_params`, `master`, `optimizer`, `sharded`, `mixed`, `lora`,
     `experts`, `pipeline`, the groups and `cfg`."""
 
+    _scratch: torch.Tensor | None = None  # the streamed step's buffer for widened gradients, while it runs
+
     def drop_gradients(self) -> None:
         """Free the last update's gradients (the next update starts from none)."""
         self._zero_grads()
@@ -70,25 +72,36 @@ class OptimizerStep:
         """The step of `_optimizer_step` for a bf16 model at dp 1, without holding every fp32 master gradient
         at once (they are as large as the masters: 4 bytes a parameter, 2 GB at 0.5B): the norm is summed from
         the bf16 gradients widened one at a time, then each parameter's master gradient is made, clipped, stepped
-        and dropped in turn, smallest parameter first. Each value is the one the batched step computes (the
-        widening is exact, the sums run in the same order, AdamW updates each parameter on its own), so the
-        weights are bitwise the same."""
+        and dropped in turn. Every widened gradient is a view of one buffer the size of the largest parameter
+        (a real vocabulary's embedding: 0.5 GB at 0.5B), taken once a step, so no larger block is ever asked of
+        the allocator. Each value is the one the batched step computes (the widening is exact, the sums run in
+        the same order, AdamW updates each parameter on its own), so the weights are bitwise the same."""
         names = [n for n, p in self.named_params.items() if p.grad is not None]
-        widened = ((self.master[n], self.named_params[n].grad.float()) for n in names)
-        norm = self._clip_grads(widened, scale_in_place=False)
-        scale = self._clip_scale(norm)
-        # smallest first: each step frees a bf16 gradient, so the largest master gradient (a real vocabulary's
-        # embedding: 0.5 GB at 0.5B) is made when every other gradient is gone; AdamW steps each on its own
-        for name in sorted(names, key=lambda n: self.named_params[n].numel()):
-            p, master = self.named_params[name], self.master[name]
-            master.grad, p.grad = p.grad.float(), None
-            if scale is not None:
-                master.grad.mul_(scale)
-            self.optimizer.step()  # AdamW skips the parameters with no gradient: this one alone
-            master.grad = None
-            with torch.no_grad():
-                p.copy_(master)
+        if not names:
+            return self._clip_grads([], scale_in_place=False)
+        self._scratch = torch.empty(max(self.named_params[n].numel() for n in names), dtype=torch.float32,
+                                    device=self.device)
+        try:
+            norm = self._clip_grads(((self.master[n], self.named_params[n].grad) for n in names), scale_in_place=False)
+            scale = self._clip_scale(norm)
+            for name in names:
+                p, master = self.named_params[name], self.master[name]
+                master.grad, p.grad = self._widened(p.grad), None
+                if scale is not None:
+                    master.grad.mul_(scale)
+                self.optimizer.step()  # AdamW skips the parameters with no gradient: this one alone
+                master.grad = None
+                with torch.no_grad():
+                    p.copy_(master)
+        finally:
+            self._scratch = None
         return norm
+
+    def _widened(self, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` in fp32: in the step's buffer while `_streamed_mixed_step` holds one, else a new tensor."""
+        if self._scratch is None:
+            return grad.float()
+        return self._scratch[: grad.numel()].view(grad.shape).copy_(grad)
 
     def _allreduce_grads(self) -> None:
         """SUM the gradients the optimizer will step over the DP group, in `GRAD_BUCKET_MB` buckets; under ep > 1
@@ -180,9 +193,8 @@ class OptimizerStep:
         for p, g in grads:
             if g is None or getattr(p, "shared", False):  # the last stage's copy of tied embeddings: counted once
                 continue
-            wide = g.detach().float()
-            # a widened copy is squared in place (the same values as pow(2), without a second full-size temporary)
-            sq = (wide.pow_(2) if wide.data_ptr() != g.data_ptr() else wide.pow(2)).sum()
+            # a lower-precision gradient's widened copy is squared in place (pow(2)'s values, no second temporary)
+            sq = (g.detach().pow(2) if g.dtype == torch.float32 else self._widened(g.detach()).pow_(2)).sum()
             if getattr(p, "expert_parallel", False):
                 experts += sq
             elif getattr(p, "tensor_model_parallel", False):
