@@ -487,6 +487,8 @@ def gather_hf_state_dict(
 
 
 def _all_gather(tensor: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
+    if size == 1:
+        return [tensor]  # the one shard is the tensor: no gather, no copy
     tensor = tensor.contiguous()
     out = [torch.empty_like(tensor) for _ in range(size)]
     torch.distributed.all_gather(out, tensor, group=group)
