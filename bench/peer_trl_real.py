@@ -79,8 +79,9 @@ class TreeMemory:
         return self.peak / 2**20
 
 
-def launch(argv: list[str], log: Path, env: dict) -> tuple[float, float]:
-    """Run argv (output in `log`, shown if it fails); returns (start time, peak summed resident MiB)."""
+def launch(argv: list[str], log: Path, env: dict, rank_logs: Path | None = None) -> tuple[float, float]:
+    """Run argv (output in `log`, shown if it fails, with the end of each log in `rank_logs`: the run's
+    directory goes with the bench's); returns (start time, peak summed resident MiB)."""
     start = time.time()
     with log.open("w") as out:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -88,8 +89,10 @@ def launch(argv: list[str], log: Path, env: dict) -> tuple[float, float]:
         code = proc.wait(timeout=3600)
         peak = memory.stop()
     if code:
-        sys.exit(f"{' '.join(argv[:3])} ... failed (exit {code}); its output ends:\n"
-                 + "\n".join(log.read_text().splitlines()[-30:]))
+        ends = [f"--- {f.name}:\n" + "\n".join(f.read_text(errors="replace").splitlines()[-20:])
+                for f in sorted(rank_logs.glob("*.log"))] if rank_logs is not None and rank_logs.is_dir() else []
+        sys.exit("\n".join([f"{' '.join(argv[:3])} ... failed (exit {code}); its output ends:",
+                             *log.read_text().splitlines()[-30:], *ends]))
     return start, peak
 
 
@@ -112,7 +115,7 @@ def yatt_config(model: str, problems: Path, args, precision: str) -> dict:
 def run_yatt(config: Path, root: Path, tag: str) -> dict:
     run_dir = root / f"yatt-{tag}"
     argv = [str(Path(PYTHON).parent / "yatt-hpc"), "run", str(config), "--run-dir", str(run_dir)]
-    start, peak = launch(argv, root / f"yatt-{tag}.log", mpi_env())
+    start, peak = launch(argv, root / f"yatt-{tag}.log", mpi_env(), rank_logs=run_dir / "logs")
     leader = (run_dir / "logs" / "rank-0000-trainer.log").read_text().splitlines()
     begins = [log_time(x) for x in leader if re.search(r"step \d+ begins$", x)]
     metrics = step_rows(run_dir)
