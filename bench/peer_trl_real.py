@@ -1,7 +1,7 @@
 """B9r: yatt-hpc vs TRL's GRPOTrainer at a real size: Qwen2.5-0.5B's shape (24 layers, 494 M parameters, the
 151,936-token vocabulary), random weights, GSM8K-like word problems. Step wall time and peak memory, same data.
 
-    .venv/bin/python bench/peer_trl_real.py                     # fp32 and bf16, 1 turn a side each: ~25 min
+    .venv/bin/python bench/peer_trl_real.py                     # fp32 and bf16, 1 turn a side each: ~24 min
     .venv/bin/python bench/peer_trl_real.py --precision bf16 --repeats 2 --steps 5
 
 The workload (bench/real_size.py): the policy is built here with seeded random weights in fp32, with a real HF

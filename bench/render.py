@@ -121,17 +121,16 @@ BENCHES = [
         "machine load. B9 needs TRL's venv (`bash bench/peers/setup.sh`).")),
     Bench("B9r", "peer_trl_real", run=False, limits=(
         "In bf16 generation is where we gain: the engine holds bf16 weights (1 GB) and samples 16 rows in ~9 s, "
-        "where TRL's autocast generates from its fp32 weights in ~20 s; training is even (full recomputation and "
-        "micro-batches of 2 on our side, gradient checkpointing and one micro-batch on TRL's), and the weight "
-        "sync (2-3 s a step, the whole model between processes; TRL generates with the model it trains) takes "
-        "back part of the gain. Memory is just over TRL's: the trainer alone peaks at 9.8 GB (bf16 weights, fp32 "
-        "masters and AdamW moments, the bf16 gradients of the backward, one micro-batch's activations) against "
-        "TRL's 10.5 GB process, and the engine without its weights (0.5 GB) and the GenRM rank, which loads the "
-        "HF tokenizer and with it torch (0.35 GB), come on top. In fp32 the engine samples no faster than TRL "
-        "(the 151,936-row head alone took ~10x longer a decode step in fp32 than in bf16 here), the trainer "
-        "recomputes activations TRL keeps, "
-        "and the sync moves 2 GB a step, so the step is slower while memory is under TRL's. The step times are "
-        "from steps 2..3 of 4, and TRL's were still falling. Run by hand (~17 min; needs TRL's venv).")),
+        "where TRL's autocast generates from its fp32 weights in ~20 s; training is a little faster (full "
+        "recomputation and micro-batches of 4 on our side, gradient checkpointing and one micro-batch on TRL's), "
+        "and the weight sync (1-3 s a step, the whole model between processes; TRL generates with the model it "
+        "trains) takes back part of the gain. Memory peaks in training: the trainer's bf16 weights, fp32 masters "
+        "and AdamW moments (7 GB), the bf16 gradients and one micro-batch's activations, beside the engine without "
+        "its weights (0.5 GB) and the GenRM rank, which decodes with the tokenizers library alone (0.13 GB). In "
+        "fp32 the engine samples no faster than TRL (generation reads every weight each decode step: 2 GB in fp32 on "
+        "both sides), and the step is even: our trainer recomputes activations TRL keeps, which is also why our "
+        "memory is 21% under TRL's; the fp32 step target is not met. One turn a side, steps 2..5 of 6. Run by "
+        "hand (~24 min; needs TRL's venv).")),
     Bench("B10", "ckpt_memory", limits=(
         "A save's staging copy is the rank's whole tensor state (fp32 parameters and AdamW moments, ~12 bytes a "
         "parameter) up to checkpoint.staging_mb; past the cap the rest is written before the step goes on, so "
