@@ -58,7 +58,7 @@ def main() -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        model_dir = tempfile.mkdtemp(prefix="pp-update-")
+        model_dir = tempfile.mkdtemp(prefix="model-", dir=args.out)  # removed with the test's tmp_path
         cls, make_config = TINY_CASES[args.case]
         config = make_config()
         if args.layers:  # built anew: a config derives per-layer settings (Qwen2's layer_types) from the count
