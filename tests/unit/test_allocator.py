@@ -76,3 +76,26 @@ def test_a_large_free_heap_goes_back_to_the_kernel_and_a_small_one_stays():
     small, kept_mb, freed_mb, returned_mb = map(int, done.stdout.split())
     assert small == 0 and kept_mb < 8  # below the bar: nothing trimmed, the 48 MiB still resident
     assert freed_mb >= 40 and returned_mb >= 40, done.stdout  # past it: the heap's free memory left the process
+
+
+# A real-size fp32 update frees more than mallopt's largest finite trim threshold (2 GiB) at its heap's top between
+# micro-batches: kept, the heap keeps it whatever its size (here 3 GiB, never touched, so never resident), and only
+# `give_back_freed_memory` returns it.
+HUGE_TOP = """
+import numpy as np
+from yatt_hpc.runtime.allocator import _heap_bytes, give_back_freed_memory, keep_freed_memory
+keep_freed_memory()
+block = np.empty(3 << 27)  # 3 GiB of float64 from the heap's top
+held = _heap_bytes()
+del block
+after_free = _heap_bytes()
+give_back_freed_memory()
+print(held >> 20, after_free >> 20, _heap_bytes() >> 20)
+"""
+
+
+def test_a_free_top_past_2_gib_stays_until_given_back():
+    done = subprocess.run([sys.executable, "-c", HUGE_TOP], capture_output=True, text=True, check=True)
+    held, after_free, given_back = map(int, done.stdout.split())
+    assert held >= 3 << 10 and after_free == held, done.stdout  # free() returned nothing
+    assert given_back < 1 << 10, done.stdout  # malloc_trim did

@@ -144,3 +144,64 @@ def test_a_model_not_on_sdpa_keeps_its_attention():
     model = AutoModelForCausalLM.from_pretrained(DEMO, attn_implementation="eager")
     assert not use_decode_attention(model)
     assert model.config._attn_implementation == "eager"
+
+
+def _small_qwen2(dtype=torch.float32):
+    """A Qwen2 wide enough that its projections reach ONEDNN_MIN_WEIGHT (512 x 512 and up): q and o, the MLP's
+    three, the output projection; k and v (128 x 512) stay below it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=2048, max_position_embeddings=128, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(config).to(dtype).eval()
+
+
+def _ops_called(fn) -> set[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            called.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    called: set[str] = set()
+    with Record():
+        fn()
+    return called
+
+
+def test_fp32_projections_run_through_onednn_with_the_same_logits_and_gradients_stay_torchs():
+    from yatt_hpc.rollout.hf_fast import ONEDNN_MIN_WEIGHT, onednn_linear_available, use_onednn_linears
+
+    assert onednn_linear_available()  # torch's CPU wheel has oneDNN: the test must not pass by doing nothing
+    model, reference = _small_qwen2(), _small_qwen2()
+    big = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel() >= ONEDNN_MIN_WEIGHT]
+    assert use_onednn_linears(model) == len(big) == 2 * 5 + 1
+    ids = torch.randint(3, 2048, (3, 9))
+    with torch.inference_mode():
+        assert "mkldnn._linear_pointwise" in _ops_called(lambda: model(ids))
+        got, want = model(ids).logits, reference(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+    # with autograd on, every layer is torch's own linear: the same logits bit for bit, and a gradient
+    assert "mkldnn._linear_pointwise" not in _ops_called(lambda: model(ids))
+    logits = model(ids).logits
+    assert torch.equal(logits, reference(ids).logits)
+    logits.sum().backward()
+    assert model.lm_head.weight.grad is not None
+    assert use_onednn_linears(_small_qwen2(torch.bfloat16)) == 0  # bf16 goes to oneDNN through torch already
+
+
+def test_an_fp32_engine_on_onednn_keeps_the_teacher_forced_logprobs():
+    from yatt_hpc.rollout import GenerationRequest
+    from yatt_hpc.rollout.hf_engine import HFEngine
+
+    engine, reference = HFEngine(_small_qwen2()), _small_qwen2()
+    assert engine._model.lm_head.forward.__name__ == "_onednn_linear"
+    prompt = np.arange(5, 17, dtype=np.int32)
+    result, = engine.generate([GenerationRequest(sample_id=0, prompt_ids=prompt, max_new_tokens=8, seed=3)])
+    seq = torch.tensor(np.concatenate([prompt, result.response_ids]).astype(np.int64))[None]
+    with torch.no_grad():
+        logp = F.log_softmax(reference(seq).logits[0, len(prompt) - 1:-1], -1)
+    want = logp.gather(1, seq[0, len(prompt):, None]).squeeze(1).numpy()
+    assert len(result.response_ids) == 8 and np.abs(result.logprobs - want).max() < 1e-4

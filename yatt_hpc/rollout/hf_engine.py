@@ -158,7 +158,7 @@ class HFEngine(HFWeightUpdates, BaseEngine):
 
     def _load_transformers(self, model_dir: str | torch.nn.Module, dtype: str | None) -> torch.nn.Module:
         """Any other checkpoint (or a model built in memory) through transformers, with hf_fast's paths."""
-        from yatt_hpc.rollout.hf_fast import fuse_activations, use_decode_attention
+        from yatt_hpc.rollout.hf_fast import fuse_activations, use_decode_attention, use_onednn_linears
 
         if isinstance(model_dir, torch.nn.Module):  # a model built in memory (tools/make_demo_models.py)
             model = model_dir if dtype is None else model_dir.to(getattr(torch, dtype))
@@ -169,6 +169,7 @@ class HFEngine(HFWeightUpdates, BaseEngine):
             model = auto.from_pretrained(model_dir, dtype=getattr(torch, dtype) if dtype else "auto")
         fuse_activations(model)  # the same GELU, one kernel (as the trainer's)
         use_decode_attention(model)  # decode steps' attention as two bmm calls (hf_fast.py)
+        use_onednn_linears(model)  # fp32 projections through oneDNN's matmul (hf_fast.py)
         self._vision = ImageProcessor.from_hf_config(model.config) if hasattr(model.config, "vision_config") else None
         params = inspect.signature(model.forward).parameters
         # transformers 5 renamed past_key_values to cache; take whichever this version has.

@@ -1,7 +1,8 @@
 """Host memory a step frees stays with the process for the next step (glibc malloc).
 
-    kept = keep_freed_memory()     # once per rank, before the first step (runtime/worker.py)
-    give_back_freed_memory()       # a colocated phase ends (roles/colocation.py): a large free heap goes back
+    kept = keep_freed_memory()     # once per rank, before the first big allocation (runtime/worker.py)
+    give_back_freed_memory()       # a large free heap goes back: after start-up and resume (runtime/loop.py),
+                                   # when a colocated phase ends (roles/colocation.py)
 
 Why: by default glibc hands a large block (past a threshold that adapts up to 32 MiB) straight back
 to the kernel when it is freed, and trims the heap's free top once it passes twice that. A rank that
@@ -15,8 +16,14 @@ falling between steps, which every step needs again anyway.
 
 The settings are made with `mallopt` at run time: no block is mapped on its own (`M_MMAP_MAX` 0: a
 tensor past glibc's 32 MiB mapping threshold, a real-size vocabulary's logits chunk or an embedding's gradient,
-comes from the heap like the rest), and the heap's free top is returned only past `TRIM_THRESHOLD`. Measured on
-a Qwen2.5-0.5B-shaped trainer update (16 samples, bf16, 2 threads): with only the thresholds fixed, 2.9-4.3 M
+comes from the heap like the rest), and the heap's free top is never returned by `free` (`M_TRIM_THRESHOLD` -1):
+only `give_back_freed_memory` returns it, where a rank's working set shrinks for good or another rank needs the
+memory (below). A finite threshold is not enough: the largest mallopt takes is 2 GiB, and a real-size fp32
+update frees more than that at its top between micro-batches. Measured on a Qwen2.5-0.5B-shaped fp32 update
+(16 samples in micro-batches of 4, no recomputation, 2 threads): with the heap trimmed past 2 GiB, 580-730 k
+minor faults and 16-24 s of system time an update, 39-49 s; never trimmed, 27 faults from the third update on,
+0.6 s of system time, 30 s. Measured on a Qwen2.5-0.5B-shaped trainer update (16 samples, bf16, 2 threads):
+with only the thresholds fixed, 2.9-4.3 M
 minor faults and 6-8 s of system time an update, the optimizer step 2-5 s; with no block mapped, 28 faults
 from the third update on, 0.6 s of system time, the optimizer step 0.5 s, the update 19 s instead of 25 s. A
 user who sets glibc's own variables (`USER_VARIABLES`, which glibc has applied at start) keeps them; on
@@ -27,7 +34,8 @@ The exception is colocation, where phases take the memory in turn as they take t
 phase ends with at least `GIVE_BACK_BYTES` free in its heap (a real-size trainer's activations: GBs; a
 0.5B bf16 trainer's gradients and the activations it keeps: ~1.5 GB, some of it in holes below the heap's top), the
 heap is trimmed (`malloc_trim`) so the next phase's rank can have it; the next step faults those pages in
-again. A small working set (the demo's) stays.
+again. A small working set (the demo's) stays. Every rank also gives back what its start-up freed (a model
+loaded and converted, a checkpoint read) before its first step: that memory no step needs again.
 """
 from __future__ import annotations
 
@@ -35,9 +43,9 @@ import ctypes
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
-TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int
+NEVER_TRIM = -1  # mallopt's int, glibc's size_t: the largest threshold (man mallopt: "-1 disables trimming")
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_")
-GLIBC_ENVIRONMENT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD)}
+GLIBC_ENVIRONMENT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str((1 << 64) - 1)}
 
 
 def keep_freed_memory(environ=os.environ) -> str:
@@ -49,9 +57,9 @@ def keep_freed_memory(environ=os.environ) -> str:
     except (OSError, AttributeError):
         return "malloc thresholds unchanged (not glibc)"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if mallopt(M_MMAP_MAX, 0) != 1 or mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
+    if mallopt(M_MMAP_MAX, 0) != 1 or mallopt(M_TRIM_THRESHOLD, NEVER_TRIM) != 1:
         return "malloc thresholds unchanged (mallopt refused)"
-    return "freed memory kept for reuse (malloc maps no block on its own, trim threshold 2 GiB)"
+    return "freed memory kept for reuse (malloc maps no block on its own and trims only when told)"
 
 
 GIVE_BACK_BYTES = 256 << 20
@@ -62,17 +70,30 @@ class _Mallinfo2(ctypes.Structure):
                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
+def _mallinfo():
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _Mallinfo2
+    return libc.mallinfo2()
+
+
+def _heap_bytes() -> int:
+    """The bytes glibc's main heap spans (used and free); 0 on another C library."""
+    try:
+        return int(_mallinfo().arena)
+    except (OSError, AttributeError):
+        return 0
+
+
 def give_back_freed_memory(at_least: int = GIVE_BACK_BYTES) -> int:
     """Trim the heap when it holds at least `at_least` free bytes; the free bytes it held (0: left as it is, or
     not glibc)."""
     try:
-        libc = ctypes.CDLL(None)
-        mallinfo2, malloc_trim = libc.mallinfo2, libc.malloc_trim
+        free = int(_mallinfo().fordblks)
+        malloc_trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return 0
-    mallinfo2.restype, malloc_trim.argtypes = _Mallinfo2, [ctypes.c_size_t]
-    free = int(mallinfo2().fordblks)
     if free < at_least:
         return 0
+    malloc_trim.argtypes = [ctypes.c_size_t]
     malloc_trim(0)
     return free

@@ -28,6 +28,7 @@ from yatt_hpc.ckpt import SharedState, should_save
 from yatt_hpc.ckpt.manifest import complete_message
 from yatt_hpc.metrics.activity import ACTIVITY
 from yatt_hpc.roles.base import eval_due
+from yatt_hpc.runtime.allocator import give_back_freed_memory
 from yatt_hpc.runtime.health import HealthMonitor
 from yatt_hpc.runtime.stop_watchdog import StepGuard, StepRecord, StopWatchdog
 from yatt_hpc.runtime.summary import step_scalars
@@ -65,6 +66,7 @@ class StepLoop:
 
     def run(self) -> str:
         step = self.resume()
+        give_back_freed_memory()  # start-up's and resume's transients: no step needs them (runtime/allocator.py)
         last_saved, started = step, time.perf_counter()
         watchdog = StopWatchdog.build(self.world.comm, self.guard, self.stop_flag, self.cfg.checkpoint.stop_grace_s,
                                       self.abandon)
