@@ -172,7 +172,8 @@ def _ops_called(fn) -> set[str]:
 
 
 def test_fp32_projections_run_through_onednn_with_the_same_logits_and_gradients_stay_torchs():
-    from yatt_hpc.rollout.hf_fast import ONEDNN_MIN_WEIGHT, onednn_linear_available, use_onednn_linears
+    from yatt_hpc.device.cpu_matmul import ONEDNN_MIN_WEIGHT, onednn_linear_available
+    from yatt_hpc.rollout.hf_fast import use_onednn_linears
 
     assert onednn_linear_available()  # torch's CPU wheel has oneDNN: the test must not pass by doing nothing
     model, reference = _small_qwen2(), _small_qwen2()

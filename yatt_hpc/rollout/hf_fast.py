@@ -25,20 +25,10 @@ takes 0.7 ms. `use_decode_attention` registers that as an attention implementati
 (`yatt_decode`) for one-token queries, with everything else (the prefill, any model whose attention is
 not SDPA) left to transformers' SDPA: same softmax(q k^T * scale + mask) v, fp32 accumulation.
 
-An fp32 `nn.Linear` goes to MKL's sgemm (torch's CPU BLAS); a bf16 one to oneDNN. On the AMD EPYC (Zen 4)
-machine here MKL streams a decode step's weights at 4-5 GB/s, oneDNN at 10-16: at Qwen2.5-0.5B's shape, 16
-rows, the 151,936-row output projection takes 100-145 ms through MKL and 43 ms through oneDNN, an MLP
-projection 2.1-4.5 ms and 1.2-2.1 ms, and a 64-token rollout of 16 samples 23-26 s and 15-16 s.
-`use_onednn_linears` routes every fp32 projection of at least `ONEDNN_MIN_WEIGHT` weights (smaller ones are
-faster through MKL: 8 us against 26 us at 64 x 64) through `torch.ops.mkldnn._linear_pointwise`, the op
-torch's own CPU compiler emits for a linear layer, with the layer's dense weight as it is (no packed copy, so
-a weight sync's in-place writes reach it). Only without autograd (the engine runs in inference mode): the op
-has no backward. It is fp32 throughout with its own summation order: within 3e-4 of MKL's result on
-[322, 896] x [896, 151936], each within 3e-4 of the float64 product (MKL's 7e-5, oneDNN's 1.4e-4 here).
+`use_onednn_linears` serves the fp32 projections through oneDNN's matmul (`device/cpu_matmul.py` says why).
 """
 from __future__ import annotations
 
-import functools
 import types
 
 import torch
@@ -50,6 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import AttentionInterface
 
+from yatt_hpc.device import cpu_matmul
 from yatt_hpc.rollout.native_gpt2 import keep_rows, row_moves
 
 _PYTHON_TANH_GELU = (NewGELUActivation, FastGELUActivation)
@@ -141,35 +132,19 @@ def use_decode_attention(model: torch.nn.Module) -> bool:
     return True
 
 
-ONEDNN_MIN_WEIGHT = 1 << 18
-"""Weights of an fp32 projection at and past which oneDNN's matmul is the faster (a 512 x 512 layer)."""
-
-
-@functools.cache
-def onednn_linear_available() -> bool:
-    """This torch build has oneDNN's linear op and it runs here."""
-    try:
-        weight = torch.ones(2, 3)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 3), weight, None, "none", [], "")
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-    return bool(torch.equal(out, torch.full((1, 2), 3.0)))
-
 
 def _onednn_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    weight = self.weight
-    if torch.is_grad_enabled() or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
-        return F.linear(x, weight, self.bias)  # autograd, or a layer no longer fp32 on the CPU: torch's own
-    return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
+    if torch.is_grad_enabled() or not cpu_matmul.runs_on_onednn(x, self.weight):
+        return F.linear(x, self.weight, self.bias)  # autograd (the op has none), or no longer an fp32 CPU layer
+    return cpu_matmul.onednn_linear(x, self.weight, self.bias)
 
 
 def use_onednn_linears(model: torch.nn.Module) -> int:
-    """Serve `model`'s fp32 CPU `nn.Linear` layers of at least `ONEDNN_MIN_WEIGHT` weights with oneDNN's matmul
-    (above); returns how many. The layers keep their parameters; a call with gradients on takes `F.linear`."""
-    if not onednn_linear_available():
+    """Serve `model`'s fp32 CPU `nn.Linear` layers of at least `cpu_matmul.ONEDNN_MIN_WEIGHT` weights with oneDNN's
+    matmul; returns how many. The layers keep their parameters; a call with gradients on takes `F.linear`."""
+    if not cpu_matmul.onednn_linear_available():
         return 0
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
-              and m.weight.device.type == "cpu" and m.weight.numel() >= ONEDNN_MIN_WEIGHT]
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and cpu_matmul.runs_on_onednn(m.weight, m.weight)]
     for layer in layers:
         layer.forward = types.MethodType(_onednn_linear, layer)
     return len(layers)
