@@ -13,12 +13,13 @@ work), and the same KL setting: none (`train.kl_coef: 0`, TRL `beta=0`), so neit
 model. TRL is one process, its whole batch in one micro-batch, with the glibc malloc settings our ranks make for
 themselves. yatt-hpc runs 3 MPI ranks: one trainer (dp=1), one HF rollout engine, one GenRM rank scoring by
 rule, in full colocation with `placement.node_cpus` the machine's cores (each phase runs that many torch
-threads); its trainer passes the batch in micro-batches of --micro-batch samples with full activation
-recomputation (`train.recompute: full`) and the chunked log-prob path. Two precisions, each side in its own way:
+threads); its trainer passes the batch in micro-batches of --micro-batch samples through the chunked log-prob
+path. Two precisions, each side in its own way, the two recomputing activations or neither:
 
-* fp32: yatt-hpc `model.dtype: float32`; TRL fp32 without gradient checkpointing.
-* bf16: yatt-hpc `model.dtype: bfloat16` (bf16 weights for the passes and the engine, fp32 masters and AdamW);
-  TRL's own defaults, `bf16=True` (fp32 weights, bf16 autocast, generation included) and gradient checkpointing.
+* fp32: yatt-hpc `model.dtype: float32`, no recomputation; TRL fp32 without gradient checkpointing.
+* bf16: yatt-hpc `model.dtype: bfloat16` (bf16 weights for the passes and the engine, fp32 masters and AdamW)
+  with full recomputation (`train.recompute: full`); TRL's own defaults, `bf16=True` (fp32 weights, bf16
+  autocast, generation included) and gradient checkpointing.
 
 Per run: each step's wall time from its beginning to the next one's (steps 2..N-1: step 1 pays first-call
 warm-ups), each side's own clock of the step body and its generation / training split, and peak memory two
@@ -53,6 +54,7 @@ from yatt_hpc.runtime.allocator import GLIBC_ENVIRONMENT
 STEP_TARGET, MEMORY_TARGET = 0.8, 1.0
 GENERATIONS = 8
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # yatt-hpc's model.dtype for each precision
+RECOMPUTE = {"fp32": "none", "bf16": "full"}  # as TRL's side: fp32 without gradient checkpointing, bf16 with it
 
 
 class TreeMemory:
@@ -100,7 +102,8 @@ def yatt_config(model: str, problems: Path, args, precision: str) -> dict:
     return {"model": {"path": model, "dtype": DTYPES[precision]},
             "data": {"source": str(problems), "seed": 1234, "max_prompt_tokens": 128},
             "train": {"steps": args.steps, "seed": 0, "prompts_per_step": args.prompts, "micro_batch_size": args.micro_batch,
-                      "lr": 3.0e-4, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0, "recompute": "full"},
+                      "lr": 3.0e-4, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.0,
+                      "recompute": RECOMPUTE[precision]},
             "rollout": {"engine": "hf", "samples_per_prompt": GENERATIONS, "max_new_tokens": args.max_new_tokens,
                         "temperature": 1.0},
             "reward": {"mode": "rule_only"},
@@ -237,9 +240,9 @@ def report(args, runs: dict, took: float) -> None:
              "rule) share the 2 cores, TRL is one process with torch's default threads. Random weights: every "
              f"response runs to the {args.max_new_tokens}-token cap on both sides and the reward is 0 (the step still "
              "does all its work). Neither side builds a reference model (no KL). yatt-hpc's trainer: micro-batches of "
-             f"{args.micro_batch} samples, full recomputation, in fp32 or with `model.dtype: bfloat16`; TRL: the whole "
-             "batch in one micro-batch, fp32 without gradient checkpointing, or its defaults (bf16 autocast over fp32 "
-             "weights, gradient checkpointing).")
+             f"{args.micro_batch} samples, in fp32 without recomputation or with `model.dtype: bfloat16` and full "
+             "recomputation; TRL: the whole batch in one micro-batch, fp32 without gradient checkpointing, or its "
+             "defaults (bf16 autocast over fp32 weights, gradient checkpointing).")
     write_report("peer_trl_real", question="B9r yatt-hpc vs TRL GRPOTrainer at Qwen2.5-0.5B's shape (step time, peak memory)",
                  target=f"step time <= {STEP_TARGET}x TRL's; peak memory <= TRL's, same KL setting", met=all(met_at.values()),
                  verdict=verdict, rows=rows_out, notes=notes,

@@ -120,17 +120,21 @@ BENCHES = [
         "from a decode step of few ops. Start-up is imports and model builds on every rank, and moves most with "
         "machine load. B9 needs TRL's venv (`bash bench/peers/setup.sh`).")),
     Bench("B9r", "peer_trl_real", run=False, limits=(
-        "In bf16 generation is where we gain: the engine holds bf16 weights (1 GB) and samples 16 rows in ~9 s, "
-        "where TRL's autocast generates from its fp32 weights in ~20 s; training is a little faster (full "
-        "recomputation and micro-batches of 4 on our side, gradient checkpointing and one micro-batch on TRL's), "
-        "and the weight sync (1-3 s a step, the whole model between processes; TRL generates with the model it "
-        "trains) takes back part of the gain. Memory peaks in training: the trainer's bf16 weights, fp32 masters "
-        "and AdamW moments (7 GB), the bf16 gradients and one micro-batch's activations, beside the engine without "
-        "its weights (0.5 GB) and the GenRM rank, which decodes with the tokenizers library alone (0.13 GB). In "
-        "fp32 the engine samples no faster than TRL (generation reads every weight each decode step: 2 GB in fp32 on "
-        "both sides), and the step is even: our trainer recomputes activations TRL keeps, which is also why our "
-        "memory is 21% under TRL's; the fp32 step target is not met. One turn a side, steps 2..5 of 6. Run by "
-        "hand (~24 min; needs TRL's venv).")),
+        "Both sides recompute activations or neither: fp32 without (TRL keeps them too), bf16 with (TRL's "
+        "gradient checkpointing). In fp32 generation is where we gain: the engine's fp32 projections run on "
+        "oneDNN's matmul, which streams the 2 GB of weights each decode step at 2x MKL's rate on this AMD CPU "
+        "(device/cpu_matmul.py), where TRL's generate goes through MKL; training is 1.2x TRL's (the trainer's "
+        "forward products on oneDNN, its backward on MKL; colocation hands the trainer's freed activations and "
+        "gradients back to the kernel each step, and faulting them in again costs seconds on this VM). In bf16 the "
+        "engine holds bf16 weights (1 GB) and samples in ~10 s where TRL's autocast generates from its fp32 "
+        "weights in ~20 s. The weight sync (1-3 s a step, the whole model between processes; TRL generates with "
+        "the model it trains) takes back part of the gain. Memory peaks in training: the trainer's weights, "
+        "masters and AdamW moments, the gradients and one micro-batch's activations, beside the engine without "
+        "its weights and the GenRM rank, which decodes with the tokenizers library alone (0.13 GB). One turn a "
+        "side, steps 2..5 of 6, on a machine whose load moves both sides by 10-35% between runs: TRL's fp32 "
+        "generation took 26 s in the run before this one and 35 s in this one, and our bf16 step 32.7 s (0.68x "
+        "TRL's) then against 37.7 s now with no change to the bf16 path between them. Run by hand (~26 min; needs "
+        "TRL's venv).")),
     Bench("B10", "ckpt_memory", limits=(
         "A save's staging copy is the rank's whole tensor state (fp32 parameters and AdamW moments, ~12 bytes a "
         "parameter) up to checkpoint.staging_mb; past the cap the rest is written before the step goes on, so "

@@ -20,13 +20,12 @@ comes from the heap like the rest), and the heap's free top is never returned by
 only `give_back_freed_memory` returns it, where a rank's working set shrinks for good or another rank needs the
 memory (below). A finite threshold is not enough: the largest mallopt takes is 2 GiB, and a real-size fp32
 update frees more than that at its top between micro-batches. Measured on a Qwen2.5-0.5B-shaped fp32 update
-(16 samples in micro-batches of 4, no recomputation, 2 threads): with the heap trimmed past 2 GiB, 580-730 k
-minor faults and 16-24 s of system time an update, 39-49 s; never trimmed, 27 faults from the third update on,
-0.6 s of system time, 30 s. Measured on a Qwen2.5-0.5B-shaped trainer update (16 samples, bf16, 2 threads):
-with only the thresholds fixed, 2.9-4.3 M
-minor faults and 6-8 s of system time an update, the optimizer step 2-5 s; with no block mapped, 28 faults
-from the third update on, 0.6 s of system time, the optimizer step 0.5 s, the update 19 s instead of 25 s. A
-user who sets glibc's own variables (`USER_VARIABLES`, which glibc has applied at start) keeps them; on
+(16 samples in micro-batches of 4, no recomputation, 2 threads): with the heap trimmed past 2 GiB, ~670 k minor
+faults and 15-21 s of system time an update, 39-47 s; never trimmed, 27 faults from the third update on, 0.6 s
+of system time, 30 s. And in bf16 (same shape and batch): with only the thresholds fixed and blocks still
+mapped, 2.9-4.3 M minor faults and 6-8 s of system time an update, the optimizer step 2-5 s; with no block
+mapped, 28 faults from the third update on, 0.6 s of system time, the optimizer step 0.5 s, the update 19 s
+instead of 25 s. A user who sets glibc's own variables (`USER_VARIABLES`, which glibc has applied at start) keeps them; on
 another C library nothing changes. `GLIBC_ENVIRONMENT` is the same settings as those variables, for a
 process we do not start ourselves (the peers in bench/).
 
