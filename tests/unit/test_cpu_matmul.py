@@ -94,15 +94,15 @@ def test_megatron_layers_forward_through_onednn_and_keep_megatrons_gradients(one
         assert (_loss(ours, tokens)[0] - _loss(megatrons, tokens)[0]).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("case", ["bf16", "frozen-weights-under-autograd"])
+@pytest.mark.parametrize("case", ["bf16", "frozen-weights-under-autograd", "only-biases-trained"])
 def test_what_oneDNN_does_not_cover_is_megatrons_own_bit_for_bit(one_rank_world, case):
     ours, megatrons = _megatron_pair()
     if case == "bf16":
         ours, megatrons = ours.bfloat16(), megatrons.bfloat16()
-    else:  # LoRA's base layers: a frozen weight whose input needs a gradient
+    else:  # LoRA's base layers: a frozen weight whose input needs a gradient; or a frozen weight, its bias trained
         for model in (ours, megatrons):
             for name, p in model.named_parameters():
-                p.requires_grad_("embedding" in name)
+                p.requires_grad_(("embedding" if case == "frozen-weights-under-autograd" else "bias") in name)
     tokens = torch.randint(3, 2048, (2, 9), generator=torch.Generator().manual_seed(2))
     assert ONEDNN_OP not in ops_called(lambda: _loss(ours, tokens)[1].backward())
     _loss(megatrons, tokens)[1].backward()

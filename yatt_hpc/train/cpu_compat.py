@@ -265,13 +265,13 @@ def _forward_impl(original, input, weight, *args, **kwargs):
     plain = not (a["sequence_parallel"] or a["gradient_accumulation_fusion"] or a["grad_output_buffer"] is not None)
     if not (plain and cpu_matmul.runs_on_onednn(input, weight)):
         return original(input, weight, *args, **kwargs)
-    if not torch.is_grad_enabled() or not (input.requires_grad or weight.requires_grad):
-        return _onednn_product(input, weight, a["bias"])  # no graph to build: a no-grad pass, a reference model
+    bias = a["bias"]
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in (input, weight, bias)):
+        return _onednn_product(input, weight, bias)  # no graph to build: a no-grad pass, a reference model
     if not weight.requires_grad:
         return original(input, weight, *args, **kwargs)  # a frozen weight under autograd (LoRA's base layers)
     tp_group = a["tp_group"] or parallel_state.get_tensor_model_parallel_group()  # Megatron's default, as its own
-    return _OneDnnForwardLinear.apply(input, weight, a["bias"], a["allreduce_dgrad"], a["wgrad_deferral_limit"],
-                                      tp_group)
+    return _OneDnnForwardLinear.apply(input, weight, bias, a["allreduce_dgrad"], a["wgrad_deferral_limit"], tp_group)
 
 
 def use_onednn_forward(model: torch.nn.Module) -> int:
