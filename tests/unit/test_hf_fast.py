@@ -157,21 +157,8 @@ def _small_qwen2(dtype=torch.float32):
     return Qwen2ForCausalLM(config).to(dtype).eval()
 
 
-def _ops_called(fn) -> set[str]:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            called.add(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
-    called: set[str] = set()
-    with Record():
-        fn()
-    return called
-
-
 def test_fp32_projections_run_through_onednn_with_the_same_logits_and_gradients_stay_torchs():
+    from tests.unit.test_cpu_matmul import ONEDNN_OP, ops_called
     from yatt_hpc.device.cpu_matmul import ONEDNN_MIN_WEIGHT, onednn_linear_available
     from yatt_hpc.rollout.hf_fast import use_onednn_linears
 
@@ -181,11 +168,11 @@ def test_fp32_projections_run_through_onednn_with_the_same_logits_and_gradients_
     assert use_onednn_linears(model) == len(big) == 2 * 5 + 1
     ids = torch.randint(3, 2048, (3, 9))
     with torch.inference_mode():
-        assert "mkldnn._linear_pointwise" in _ops_called(lambda: model(ids))
+        assert ONEDNN_OP in ops_called(lambda: model(ids))
         got, want = model(ids).logits, reference(ids).logits
     assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
     # with autograd on, every layer is torch's own linear: the same logits bit for bit, and a gradient
-    assert "mkldnn._linear_pointwise" not in _ops_called(lambda: model(ids))
+    assert ONEDNN_OP not in ops_called(lambda: model(ids))
     logits = model(ids).logits
     assert torch.equal(logits, reference(ids).logits)
     logits.sum().backward()

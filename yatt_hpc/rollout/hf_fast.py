@@ -132,7 +132,6 @@ def use_decode_attention(model: torch.nn.Module) -> bool:
     return True
 
 
-
 def _onednn_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() or not cpu_matmul.runs_on_onednn(x, self.weight):
         return F.linear(x, self.weight, self.bias)  # autograd (the op has none), or no longer an fp32 CPU layer
