@@ -1,6 +1,6 @@
 """fp32 products through oneDNN (device/cpu_matmul.py): the engine's layers (tests/unit/test_hf_fast.py) and the
-trainer's Megatron layers (train/cpu_compat.py), which keep Megatron's backward and their results within fp32
-rounding of MKL's."""
+trainer's Megatron layers (train/cpu_compat.py), whose gradients (added into `.grad` in place, the embedding's
+row by row) stay within fp32 rounding of Megatron's own over several micro-batches."""
 from __future__ import annotations
 
 import functools
@@ -40,10 +40,10 @@ def test_the_product_is_fp32_and_only_large_fp32_cpu_weights_take_it():
     assert not runs_on_onednn(x.bfloat16(), w.bfloat16()) and not runs_on_onednn(x, w.double())
 
 
-def _megatron_pair():
+def _megatron_pair(tied: bool = False):
     """Two copies of one Megatron GPT model of a Qwen2 shape wide enough for oneDNN (hidden 512, MLP 1024, a
-    2,048-token vocabulary, untied head): the first as built (oneDNN forwards), the second with every layer's
-    own Megatron `_forward_impl` back."""
+    2,048-token vocabulary, the head untied or tied): the first as built (oneDNN forwards, gradients added in
+    place), the second with every layer's own Megatron `_forward_impl` and the embedding's own forward back."""
     from transformers import Qwen2Config
 
     from yatt_hpc.train import megatron_model as mm
@@ -51,7 +51,7 @@ def _megatron_pair():
 
     config = Qwen2Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                          num_key_value_heads=2, vocab_size=2048, max_position_embeddings=128,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=tied)
     torch.manual_seed(0)
     ours, megatrons = mm.build_gpt_model(config, 1), mm.build_gpt_model(config, 1)
     with torch.no_grad():
@@ -63,7 +63,11 @@ def _megatron_pair():
             assert isinstance(layer._forward_impl, functools.partial)
             layer._forward_impl = layer._forward_impl.args[0]
             restored += 1
-    assert restored == 2 * 4 + 1  # qkv, proj, fc1, fc2 a layer; the output layer
+        if isinstance(layer, tensor_parallel.VocabParallelEmbedding):
+            assert isinstance(layer.forward, functools.partial)
+            del layer.forward
+            restored += 1
+    assert restored == 2 * 4 + 1 + 1  # qkv, proj, fc1, fc2 a layer; the output layer; the word embedding
     return ours, megatrons
 
 
@@ -74,14 +78,19 @@ def _loss(model, tokens):
     return logits, logits.float().log_softmax(-1).mean() + logits.square().mean()
 
 
-def test_megatron_layers_forward_through_onednn_and_keep_megatrons_gradients(one_rank_world):
-    ours, megatrons = _megatron_pair()
-    tokens = torch.randint(3, 2048, (3, 17), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_megatron_layers_forward_through_onednn_and_keep_megatrons_gradients(one_rank_world, tied):
+    ours, megatrons = _megatron_pair(tied)
+    batches = [torch.randint(3, 2048, (3, 17), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
     for model in (ours, megatrons):
         model.train()
-    assert ONEDNN_OP in ops_called(lambda: _loss(ours, tokens)[1].backward())
-    assert ONEDNN_OP not in ops_called(lambda: _loss(megatrons, tokens)[1].backward())
-    logits, want = _loss(ours, tokens)[0], _loss(megatrons, tokens)[0]
+    # three micro-batches: the first makes each gradient, the others add into it
+    ops = [ops_called(lambda t=tokens: _loss(ours, t)[1].backward()) for tokens in batches]
+    assert all(ONEDNN_OP in called and "aten.embedding_dense_backward" not in called for called in ops)
+    assert all("aten.index_add_" in called for called in ops) and all("aten.addmm_" in called for called in ops[1:])
+    want_ops = set().union(*[ops_called(lambda t=tokens: _loss(megatrons, t)[1].backward()) for tokens in batches])
+    assert ONEDNN_OP not in want_ops and "aten.embedding_dense_backward" in want_ops
+    logits, want = _loss(ours, batches[0])[0], _loss(megatrons, batches[0])[0]
     assert (logits - want).abs().max() <= 1e-5 * want.abs().max()
     checked = 0
     for (name, p), (_, q) in zip(ours.named_parameters(), megatrons.named_parameters()):
@@ -90,8 +99,8 @@ def test_megatron_layers_forward_through_onednn_and_keep_megatrons_gradients(one
         checked += q.grad.abs().max() > 0
     assert checked >= 10
     with torch.no_grad():  # a no-grad pass (log-probs, a reference model) takes the product alone
-        assert ONEDNN_OP in ops_called(lambda: _loss(ours, tokens))
-        assert (_loss(ours, tokens)[0] - _loss(megatrons, tokens)[0]).abs().max() <= 1e-5 * want.abs().max()
+        assert ONEDNN_OP in ops_called(lambda: _loss(ours, batches[0]))
+        assert (_loss(ours, batches[0])[0] - _loss(megatrons, batches[0])[0]).abs().max() <= 1e-5 * want.abs().max()
 
 
 @pytest.mark.parametrize("case", ["bf16", "frozen-weights-under-autograd", "only-biases-trained"])

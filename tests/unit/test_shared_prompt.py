@@ -89,7 +89,14 @@ def test_shared_forward_gives_the_padded_logprobs_entropies_and_gradients(one_ra
                                         batch.prompt_id)
     logits = shared_prompt.forward_shared(model, layout)
     assert logits.shape[0] == len(layout.tokens) < tokens[:, :-1].numel()
-    s_logp, s_ent = token_logprobs_and_entropy(logits[layout.source], layout.targets, None, vocab)
+    # the trainer's call: the output layer projects the predicting positions only, in [N, R] order
+    projected = []
+    hook = model.output_layer.register_forward_hook(lambda layer, args, out: projected.append(out[0].shape[0]))
+    picked = shared_prompt.forward_shared(model, layout, rows=layout.source)
+    hook.remove()
+    assert projected == [layout.source.numel()] and picked.shape == (*layout.source.shape, logits.shape[-1])
+    torch.testing.assert_close(picked, logits[layout.source], atol=1e-6, rtol=1e-5)
+    s_logp, s_ent = token_logprobs_and_entropy(picked, layout.targets, None, vocab)
     for i, r in enumerate(batch.response_len):
         torch.testing.assert_close(s_logp[i, :r], padded_logp[i].detach(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(s_ent[i, :r], padded_ent[i].detach(), atol=1e-5, rtol=1e-5)

@@ -20,10 +20,13 @@ call ``torch.cuda.synchronize()`` after batched sends.
 Megatron's linear layers compute ``torch.matmul(input, weight.t())`` (``tensor_parallel/layers.py``,
 ``LinearWithGradAccumulationAndAsyncCommunication.forward``), which torch gives MKL for fp32; on this CPU
 oneDNN's matmul is 1.2-2x as fast for the same product (``device/cpu_matmul.py``). ``use_onednn_forward``
-gives each fp32 layer's forward to oneDNN and leaves its backward Megatron's (two ``torch.matmul``, the
-tensor-parallel all-reduce of the input gradient): the layers keep their parameters, and any call this does
-not cover (sequence parallel, gradient-accumulation fusion, deferred weight gradients, a frozen weight under
-autograd as LoRA's base layers) goes to Megatron's own function unchanged.
+gives each fp32 layer's forward to oneDNN; its backward is Megatron's input gradient and tensor-parallel
+all-reduce, with the weight gradient added into ``weight.grad`` by the product itself
+(``accumulate_weight_grad``: Megatron's gradient-accumulation fusion, which on a GPU writes ``main_grad``).
+The layers keep their parameters, and any call this does not cover (sequence parallel, Megatron's own
+gradient-accumulation fusion, deferred weight gradients, a frozen weight under autograd as LoRA's base
+layers) goes to Megatron's own function unchanged. ``add_embedding_grads_in_place`` does the same for the
+word embedding's backward (``_WordEmbeddingIntoGrad``).
 
 Not covered, because our trainer does not use them on CPU:
 megatron ``DistributedDataParallel``, ``get_megatron_optimizer`` (literal ``"cuda"`` devices),
@@ -231,21 +234,51 @@ class _CpuRotaryEmbedding(RotaryEmbedding):
 
 
 class _OneDnnForwardLinear(_layers.LinearWithGradAccumulationAndAsyncCommunication):
-    """Megatron's linear autograd function with the forward's product through oneDNN; the backward is its own."""
+    """Megatron's linear autograd function with the forward's product through oneDNN, and a backward that adds
+    the weight's gradient into `weight.grad` (`accumulate_weight_grad`); the input's gradient and its
+    tensor-parallel all-reduce are Megatron's (``LinearWithGradAccumulationAndAsyncCommunication.backward``
+    for the cases `_forward_impl` sends here: no sequence parallel, no deferred weight gradients)."""
 
     @staticmethod
-    @_layers.custom_fwd  # as Megatron's forward: its backward (custom_bwd) reads what this records
-    def forward(ctx, input, weight, bias, allreduce_dgrad, wgrad_deferral_limit, tp_group):
-        ctx.save_for_backward(input, weight)  # what Megatron's forward leaves its backward, for the cases taken here
-        ctx.main_grad, ctx.use_bias, ctx.gradient_accumulation_fusion = None, bias is not None, False
-        ctx.allreduce_dgrad, ctx.sequence_parallel = allreduce_dgrad, False
-        ctx.wgrad_deferral_limit, ctx.grad_output_buffer, ctx.tp_group = wgrad_deferral_limit, None, tp_group
+    @_layers.custom_fwd  # as Megatron's forward
+    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group):
+        ctx.save_for_backward(input, weight)
+        ctx.use_bias, ctx.allreduce_dgrad, ctx.tp_group = bias is not None, allreduce_dgrad, tp_group
         return _onednn_product(input, weight, bias)
 
     @staticmethod
+    @_layers.custom_bwd
     def backward(ctx, grad_output):
-        grads = _layers.LinearWithGradAccumulationAndAsyncCommunication.backward(ctx, grad_output)
-        return grads[0], grads[1], grads[2], None, None, None
+        input, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        handle = None
+        if ctx.allreduce_dgrad:  # overlapped with the weight gradient, as Megatron's
+            handle = torch.distributed.all_reduce(grad_input, group=ctx.tp_group, async_op=True)
+        grad_output, input = _layers.prepare_input_tensors_for_wgrad_compute(grad_output, input)
+        grad_weight = None
+        if weight.is_leaf:  # a parameter: into its .grad
+            accumulate_weight_grad(weight, grad_output, input)
+        else:  # a weight computed in the forward: its gradient flows on through autograd
+            grad_weight = grad_output.t().matmul(input)
+        grad_bias = grad_output.sum(dim=0) if ctx.use_bias else None
+        if handle is not None:
+            handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def accumulate_weight_grad(weight: torch.Tensor, grad_output: torch.Tensor, input: torch.Tensor) -> None:
+    """``weight.grad += grad_output.T @ input`` in place ([rows, out] and [rows, in]); the product itself when
+    `weight` has no gradient yet.
+
+    Megatron's gradient-accumulation fusion does this on a GPU (``fused_weight_gradient_mlp_cuda`` into
+    ``weight.main_grad``, which its DistributedDataParallel provides); without it, each micro-batch's backward
+    makes a new gradient of the weight's size and autograd adds it to ``.grad``. At Qwen2.5-0.5B's output
+    projection (151,936 x 896, fp32) that is 544 MB a micro-batch, newly faulted in where glibc cannot reuse
+    the last one's block: 1.5 s against 0.3 s for the product added in place (352 rows, 2 threads)."""
+    if weight.grad is None:
+        weight.grad = torch.matmul(grad_output.t(), input)
+    else:
+        weight.grad.addmm_(grad_output.t(), input)
 
 
 def _onednn_product(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -271,7 +304,7 @@ def _forward_impl(original, input, weight, *args, **kwargs):
     if not weight.requires_grad:
         return original(input, weight, *args, **kwargs)  # a frozen weight under autograd (LoRA's base layers)
     tp_group = a["tp_group"] or parallel_state.get_tensor_model_parallel_group()  # Megatron's default, as its own
-    return _OneDnnForwardLinear.apply(input, weight, bias, a["allreduce_dgrad"], a["wgrad_deferral_limit"], tp_group)
+    return _OneDnnForwardLinear.apply(input, weight, bias, a["allreduce_dgrad"], tp_group)
 
 
 def use_onednn_forward(model: torch.nn.Module) -> int:
@@ -283,3 +316,57 @@ def use_onednn_forward(model: torch.nn.Module) -> int:
     for layer in layers:
         layer._forward_impl = functools.partial(_forward_impl, layer._forward_impl)
     return len(layers)
+
+
+class _WordEmbeddingIntoGrad(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose backward adds each looked-up row's gradient into ``weight.grad`` in place.
+
+    torch's embedding backward makes a dense gradient of the whole table, zeros but for the rows looked up,
+    which autograd then adds to ``.grad``: at Qwen2.5-0.5B's 151,936 x 896 fp32 table that is 544 MB zero-filled
+    and 544 MB added for a micro-batch of a few hundred tokens. ``index_add_`` adds the rows in index order (its
+    CPU kernel runs the indices in sequence), so the sum is the same on every run and thread count."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids, weight)
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        ids, weight = ctx.saved_tensors
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(weight.grad.dtype))
+        return None, None
+
+
+def _embedding_forward(layer, original, input_):
+    """A VocabParallelEmbedding's forward with `_WordEmbeddingIntoGrad` for its lookup where `add_embedding_grads_in_place`
+    covers the call (a trained fp32 table of `ONEDNN_MIN_WEIGHT` entries and up, under autograd, no sequence
+    parallel or deterministic mode); `original` (Megatron's own) otherwise. The rest is Megatron-Core 0.16's
+    forward: ids outside this rank's vocabulary slice look up row 0 and are zeroed, then the sum over the
+    tensor-parallel group."""
+    weight = layer.weight
+    if (layer.reduce_scatter_embeddings or layer.deterministic_mode or not torch.is_grad_enabled()
+            or not (weight.is_leaf and weight.requires_grad) or weight.dtype != torch.float32
+            or weight.numel() < cpu_matmul.ONEDNN_MIN_WEIGHT):
+        return original(input_)
+    split = layer.tp_group.size() > 1
+    if split:
+        outside = (input_ < layer.vocab_start_index) | (input_ >= layer.vocab_end_index)
+        input_ = (input_ - layer.vocab_start_index).masked_fill_(outside, 0)
+    output = _WordEmbeddingIntoGrad.apply(input_, weight)
+    if split:
+        output = output.masked_fill(outside[..., None], 0.0)
+    return _layers.reduce_from_tensor_model_parallel_region(output, group=layer.tp_group)
+
+
+def add_embedding_grads_in_place(model: torch.nn.Module) -> int:
+    """Give `model`'s vocabulary-parallel embeddings `_embedding_forward` on a CPU runtime; returns how many."""
+    if not is_cpu_runtime():
+        return 0
+    tables = [m for m in model.modules() if isinstance(m, _layers.VocabParallelEmbedding)]
+    for table in tables:
+        table.forward = functools.partial(_embedding_forward, table, table.forward)
+    return len(tables)

@@ -306,6 +306,7 @@ def build_gpt_model(
         model.image_token_id = int(hf_config.image_token_id)
     cpu_compat.make_rope_cpu_safe(model)
     cpu_compat.use_onednn_forward(model)  # fp32 layers' forward products through oneDNN on a CPU (cpu_compat.py)
+    cpu_compat.add_embedding_grads_in_place(model)  # no dense table-sized gradient a micro-batch (cpu_compat.py)
     if arch.moe is not None:
         cpu_compat.make_moe_mappings_cpu_safe()
     adopt_moe_modules(model, tp_size)  # the trainer's router and MoE layer classes (moe/layers.py)

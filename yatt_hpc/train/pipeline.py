@@ -136,13 +136,13 @@ class StageUpdate:
     def _stage_forward(self, model, inputs) -> torch.Tensor:
         """This stage's output for a micro-batch: logits on the last stage, hidden states elsewhere."""
         if self.share_prompts:
-            return shared_prompt.forward_shared(model, inputs)
+            return shared_prompt.forward_shared(model, inputs, rows=inputs.source)  # the last stage: [N, R, V]
         return megatron_model.forward_logits(model, inputs[0][:, :-1])
 
     def _stage_logprobs(self, inputs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last stage's log-probs and entropies of a micro-batch's targets."""
         if self.share_prompts:
-            logits, targets = shared_prompt.gather_rows(logits, inputs.source), inputs.targets
+            targets = inputs.targets
         else:
             targets = inputs[0][:, 1:]
         return token_logprobs_and_entropy(logits, targets, self.tp_group, self.vocab_size, self.temperature)

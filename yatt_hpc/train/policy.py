@@ -388,8 +388,7 @@ class MegatronPolicy(StageUpdate, OptimizerStep):
         if vision is not None:  # this model's own embeddings and tower (the reference's are frozen copies)
             positions = vision.position_ids
             decoder_input = megatron_model.vision_decoder_input(model, layout.tokens[None], vision)
-        logits = shared_prompt.gather_rows(shared_prompt.forward_shared(model, layout, positions, decoder_input),
-                                           layout.source)
+        logits = shared_prompt.forward_shared(model, layout, positions, decoder_input, rows=layout.source)
         return token_logprobs_and_entropy(logits, layout.targets, self.tp_group, self.vocab_size, self.temperature)
 
     def _loss_backward(self, logp, entropy, ref_logp, old_logp, mask, adv_tok, keep: np.ndarray,

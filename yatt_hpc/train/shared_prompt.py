@@ -1,8 +1,8 @@
 """The trainer's forward with each prompt computed once per GRPO group instead of once per sample.
 
     layout = build_layout(prompts, responses, prompt_ids)          # ragged numpy token arrays, group ids
-    logits = forward_shared(model, layout)                         # [S, V_local], S = unique tokens
-    logp, entropy = token_logprobs_and_entropy(logits[layout.source], layout.targets, ...)   # [N, R]
+    logits = forward_shared(model, layout, rows=layout.source)     # [N, R, V_local]: the predicting positions'
+    logp, entropy = token_logprobs_and_entropy(logits, layout.targets, ...)   # [N, R]
 
 A GRPO step samples G responses per prompt, and the padded layout ([N, P + R] rows) runs every prompt
 token through every layer G times: in the demo task prompts are 15 of 22 tokens, so two thirds of the
@@ -212,17 +212,47 @@ def set_backward_layout(layout: SharedLayout | None) -> None:
 
 
 def forward_shared(model, layout: SharedLayout, position_ids: torch.Tensor | None = None,
-                   decoder_input: torch.Tensor | None = None) -> torch.Tensor:
-    """The model's logits [S, V_local] for every token of the stream (vocab-parallel like `forward_logits`);
-    a pipeline stage before the last gives its hidden states [S, 1, H] (`train/pipeline.py`).
+                   decoder_input: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits [S, V_local] for every token of the stream (vocab-parallel like `forward_logits`), or
+    [*rows.shape, V_local] for the stream positions `rows` only (`layout.source`: the positions that predict a
+    response token); a pipeline stage before the last gives its hidden states [S, 1, H] (`train/pipeline.py`).
     A vision-language model passes its M-RoPE `position_ids` [3, 1, S] and the stream's embeddings with
-    the image features in (`decoder_input`, `megatron_model.vision_decoder_input`)."""
+    the image features in (`decoder_input`, `megatron_model.vision_decoder_input`).
+
+    With `rows`, the output projection runs on those positions' hidden states alone (`_output_at`): a prompt's
+    tokens but its last predict nothing the loss reads, and a vocabulary-sized projection of them is most of
+    their cost (at Qwen2.5-0.5B's shape a token's logits are 136 M multiply-adds a pass, its 24 layers 360 M)."""
     # the core attention reads the layout, not the mask; Megatron only passes this one along
     unused_mask = torch.zeros(STREAM_MASK_SHAPE, dtype=torch.bool, device=layout.tokens.device)
     positions = layout.positions[None] if position_ids is None else position_ids
-    with active(layout), _rotary_at(model, layout.positions):
+    last_stage = getattr(model, "post_process", True)
+    with active(layout), _rotary_at(model, layout.positions), _output_at(model if last_stage else None, rows) as picked:
         logits = model(layout.tokens[None], positions, unused_mask, decoder_input=decoder_input)
-    return logits[0] if getattr(model, "post_process", True) else logits
+    if not last_stage:
+        return logits
+    if rows is None:
+        return logits[0]
+    return logits[0].view(*rows.shape, logits.shape[-1]) if picked else gather_rows(logits[0], rows)
+
+
+@contextlib.contextmanager
+def _output_at(model, rows: torch.Tensor | None) -> Iterator[bool]:
+    """Inside the block `model`'s output layer projects the hidden states of stream positions `rows` only
+    (in `rows`' order, flattened); yields whether it does. Not with sequence parallelism, where a rank's hidden
+    states are a slice of the stream: the caller gathers the rows of the whole stream's logits instead."""
+    layer = None if model is None or rows is None else getattr(model, "output_layer", None)
+    if layer is None or getattr(layer, "sequence_parallel", False):
+        yield False
+        return
+    own, project, flat = vars(layer).get("forward"), layer.forward, rows.reshape(-1)
+    layer.forward = lambda hidden_states, *args, **kwargs: project(gather_rows(hidden_states, flat), *args, **kwargs)
+    try:
+        yield True
+    finally:
+        if own is None:
+            del layer.forward
+        else:
+            layer.forward = own
 
 
 @contextlib.contextmanager
