@@ -40,10 +40,11 @@ def test_the_product_is_fp32_and_only_large_fp32_cpu_weights_take_it():
     assert not runs_on_onednn(x.bfloat16(), w.bfloat16()) and not runs_on_onednn(x, w.double())
 
 
-def _megatron_pair(tied: bool = False):
+def _megatron_pair(tied: bool = False, recompute: str = "none"):
     """Two copies of one Megatron GPT model of a Qwen2 shape wide enough for oneDNN (hidden 512, MLP 1024, a
-    2,048-token vocabulary, the head untied or tied): the first as built (oneDNN forwards, gradients added in
-    place), the second with every layer's own Megatron `_forward_impl` and the embedding's own forward back."""
+    2,048-token vocabulary, the head untied or tied, `train.recompute` as given): the first as built (oneDNN
+    forwards, gradients added in place), the second with every layer's own Megatron `_forward_impl` and the
+    embedding's own forward back."""
     from transformers import Qwen2Config
 
     from yatt_hpc.train import megatron_model as mm
@@ -53,7 +54,8 @@ def _megatron_pair(tied: bool = False):
                          num_key_value_heads=2, vocab_size=2048, max_position_embeddings=128,
                          tie_word_embeddings=tied)
     torch.manual_seed(0)
-    ours, megatrons = mm.build_gpt_model(config, 1), mm.build_gpt_model(config, 1)
+    again = mm.Recompute(mode=recompute)  # full: each layer's forward runs again inside the backward
+    ours, megatrons = mm.build_gpt_model(config, 1, recompute=again), mm.build_gpt_model(config, 1, recompute=again)
     with torch.no_grad():
         for p, q in zip(ours.parameters(), megatrons.parameters(), strict=True):
             q.copy_(p)
@@ -78,9 +80,10 @@ def _loss(model, tokens):
     return logits, logits.float().log_softmax(-1).mean() + logits.square().mean()
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_megatron_layers_forward_through_onednn_and_keep_megatrons_gradients(one_rank_world, tied):
-    ours, megatrons = _megatron_pair(tied)
+@pytest.mark.parametrize(("tied", "recompute"), [(False, "none"), (True, "none"), (True, "full")],
+                         ids=["untied", "tied", "tied-full-recompute"])
+def test_megatron_layers_forward_through_onednn_and_keep_megatrons_gradients(one_rank_world, tied, recompute):
+    ours, megatrons = _megatron_pair(tied, recompute)
     batches = [torch.randint(3, 2048, (3, 17), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
     for model in (ours, megatrons):
         model.train()
