@@ -81,7 +81,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         # [sum exp(s), sum exp(s) * s, s_target] per position, s = z - shift
         sums = torch.zeros(3, shift.numel(), dtype=torch.float32, device=shift.device)
         for lo, hi, block in _chunks(logits, rows):
-            s = _scaled(block, valid, temperature).sub_(shift[lo:hi, None])
+            s = _shifted(block, valid, temperature, shift[lo:hi, None])
             sums[2, lo:hi] = s.gather(1, local_ids[lo:hi, None])[:, 0]
             e = s.exp()
             sums[0, lo:hi] = e.sum(dim=-1)
@@ -108,22 +108,33 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad[..., valid:] = 0  # padding columns
         flat_grad = grad.view(-1, grad.shape[-1])
+        in_place = grad.dtype == torch.float32 and temperature == 1.0  # the chunk's gradient computed where it goes
         for lo, hi, block in _chunks(logits, ctx.rows):
-            s = _scaled(block, valid, temperature).sub_(shift[lo:hi, None])
-            p = (s - log_z[lo:hi, None]).exp_()
+            out = flat_grad[lo:hi, :valid]
+            s = _shifted(block, valid, temperature, shift[lo:hi, None], out=out if in_place else None)
+            p = torch.sub(s, log_z[lo:hi, None]).exp_()
             # dz = dlogp * (onehot - p) - dH * p * (s - E_p[s])
             #    = onehot * dlogp - p * (dlogp + dH * (s - E_p[s]))
-            g = s.sub_(expected[lo:hi, None]).mul_(grad_entropy[lo:hi, None]).add_(grad_logp[lo:hi, None])
-            g = g.mul_(p).neg_()
+            # the sign folded into the factors: (s - E) * -dH - dlogp is -((s - E) * dH + dlogp) bit for bit
+            g = s.sub_(expected[lo:hi, None]).mul_(grad_entropy[lo:hi, None].neg()).sub_(grad_logp[lo:hi, None])
+            g = g.mul_(p)
             g.scatter_add_(1, local_ids[lo:hi, None], target_grad[lo:hi, None])
-            flat_grad[lo:hi, :valid] = g.div_(temperature)
+            if not in_place:
+                out.copy_(g.div_(temperature))
             del s, p, g
         return grad, None, None, None, None, None, None
 
 
-def _scaled(block: torch.Tensor, valid: int, temperature: float) -> torch.Tensor:
-    """A fresh fp32 copy of the chunk's real columns over T (``.float()`` of fp32 would alias the input)."""
-    return block[:, :valid].to(torch.float32, copy=True).div_(temperature)
+def _shifted(block: torch.Tensor, valid: int, temperature: float, shift: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """The chunk's real columns in fp32, over T, minus each row's `shift`: a new tensor (or `out`, fp32), never
+    the input. At T = 1 one pass (the subtraction widens a lower-precision block as it reads it); otherwise a
+    widened copy divided, then shifted (x / 1 is x, so both give the same bits)."""
+    real = block[:, :valid]
+    if temperature == 1.0:
+        return torch.sub(real, shift, out=out) if out is not None else torch.sub(real, shift)
+    scaled = real.to(torch.float32, copy=True).div_(temperature).sub_(shift)
+    return scaled if out is None else out.copy_(scaled)
 
 
 def _flat_or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
