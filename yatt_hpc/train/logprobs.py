@@ -128,10 +128,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
 def _shifted(block: torch.Tensor, valid: int, temperature: float, shift: torch.Tensor,
              out: torch.Tensor | None = None) -> torch.Tensor:
     """The chunk's real columns in fp32, over T, minus each row's `shift`: a new tensor (or `out`, fp32), never
-    the input. At T = 1 one pass (the subtraction widens a lower-precision block as it reads it); otherwise a
-    widened copy divided, then shifted (x / 1 is x, so both give the same bits)."""
+    the input. At T = 1 one pass (the subtraction widens a lower-precision block as it reads it); otherwise, or
+    for a float64 block, an fp32 copy divided, then shifted (x / 1 is x, so both give the same bits)."""
     real = block[:, :valid]
-    if temperature == 1.0:
+    if temperature == 1.0 and torch.promote_types(real.dtype, torch.float32) == torch.float32:  # not float64
         return torch.sub(real, shift, out=out) if out is not None else torch.sub(real, shift)
     scaled = real.to(torch.float32, copy=True).div_(temperature).sub_(shift)
     return scaled if out is None else out.copy_(scaled)
