@@ -233,11 +233,11 @@ class _CpuRotaryEmbedding(RotaryEmbedding):
         return emb[:, None, None, :]
 
 
-class _OneDnnForwardLinear(_layers.LinearWithGradAccumulationAndAsyncCommunication):
-    """Megatron's linear autograd function with the forward's product through oneDNN, and a backward that adds
-    the weight's gradient into `weight.grad` (`accumulate_weight_grad`); the input's gradient and its
-    tensor-parallel all-reduce are Megatron's (``LinearWithGradAccumulationAndAsyncCommunication.backward``
-    for the cases `_forward_impl` sends here: no sequence parallel, no deferred weight gradients)."""
+class _OneDnnForwardLinear(torch.autograd.Function):
+    """Megatron's linear autograd function (``LinearWithGradAccumulationAndAsyncCommunication``) for the cases
+    `_forward_impl` sends here (no sequence parallel, no deferred weight gradients), with the forward's product
+    through oneDNN and the weight's gradient added into `weight.grad` (`accumulate_weight_grad`); the input's
+    gradient and its overlapped tensor-parallel all-reduce are computed as Megatron's backward computes them."""
 
     @staticmethod
     @_layers.custom_fwd  # as Megatron's forward
