@@ -28,6 +28,9 @@ class WrappedEngine(BaseEngine):
     def update_weights(self, named_tensors, *, final: bool, version: int | None = None) -> None:
         self.inner.update_weights(named_tensors, final=final, version=version)
 
+    def take_weights(self, named_tensors, *, final: bool, version: int | None = None) -> None:
+        self.inner.take_weights(named_tensors, final=final, version=version)
+
     def join_weight_group(self, rendezvous) -> None:
         self.inner.join_weight_group(rendezvous)
 

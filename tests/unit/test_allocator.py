@@ -1,8 +1,11 @@
 """runtime/allocator.py: a rank keeps the host memory a step frees for the next step."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from yatt_hpc.runtime.allocator import keep_freed_memory
 
@@ -99,3 +102,61 @@ def test_a_free_top_past_2_gib_stays_until_given_back():
     held, after_free, given_back = map(int, done.stdout.split())
     assert held >= 3 << 10 and after_free == held, done.stdout  # free() returned nothing
     assert given_back < 1 << 10, done.stdout  # malloc_trim did
+
+
+def test_huge_pages_are_asked_for_only_where_the_kernel_gives_them_on_request(tmp_path):
+    """`huge_page_environment`: glibc's tunable appended to the user's others under THP `madvise` on glibc 2.35+;
+    nothing where THP is `always` or `never`, the file is missing, glibc is older, or the user decides."""
+    from yatt_hpc.runtime.allocator import huge_page_environment
+
+    modes = {}
+    for mode in ("always [madvise] never", "[always] madvise never", "always madvise [never]"):
+        modes[mode] = tmp_path / mode.split("[")[1].split("]")[0]
+        modes[mode].write_text(mode + "\n")
+    madvise = str(modes["always [madvise] never"])
+    got = huge_page_environment({"PATH": "/bin"}, madvise, glibc="2.36")
+    assert got == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    got = huge_page_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, madvise, glibc="2.36")
+    assert got == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"}
+    assert huge_page_environment({}, str(modes["[always] madvise never"]), glibc="2.36") is None
+    assert huge_page_environment({}, str(modes["always madvise [never]"]), glibc="2.36") is None
+    assert huge_page_environment({}, str(tmp_path / "absent"), glibc="2.36") is None
+    assert huge_page_environment({}, madvise, glibc="2.31") is None
+    assert huge_page_environment({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, madvise, glibc="2.36") is None
+    assert huge_page_environment({"MALLOC_MMAP_MAX_": "0"}, madvise, glibc="2.36") is None
+
+
+# A rank's program restarts itself once (same pid, same arguments) and then holds its heap in huge pages.
+RESTART = """
+import ctypes, os, re, sys
+print("run", os.getpid(), sys.argv[1:], os.environ.get("GLIBC_TUNABLES"), flush=True)
+from yatt_hpc.runtime.allocator import heap_pages, keep_freed_memory, restart_on_huge_pages
+restart_on_huge_pages()
+keep_freed_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+block = libc.malloc(64 << 20)
+ctypes.memset(block, 1, 64 << 20)  # every page written, in the heap (no block mapped on its own)
+huge = int(re.search(r"AnonHugePages:\\s+(\\d+) kB", open("/proc/self/smaps_rollup").read()).group(1))
+print("pages:", heap_pages(), huge >= 32 << 10)
+"""
+
+
+def test_a_ranks_program_restarts_itself_onto_huge_pages_where_the_kernel_gives_them():
+    from yatt_hpc.runtime.allocator import huge_page_environment
+
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    with tempfile.TemporaryDirectory() as tmp:
+        program = Path(tmp) / "program.py"
+        program.write_text(RESTART)
+        done = subprocess.run([sys.executable, str(program), "--group", "trainer"], capture_output=True, text=True,
+                              check=True, env=env)
+    lines = done.stdout.splitlines()
+    if huge_page_environment(env) is None:  # this kernel or C library has nothing to give: no restart
+        assert lines[0].startswith("run") and lines[1] == "pages: heap in the kernel's default pages False", lines
+        return
+    first, second, heap = lines
+    assert first.split()[1] == second.split()[1], "the same process (pid) both times"
+    assert first.split()[2:] == ["['--group',", "'trainer']", "None"]
+    assert second.split()[2:] == ["['--group',", "'trainer']", "glibc.malloc.hugetlb=1"]
+    assert heap == "pages: heap advised onto transparent huge pages (glibc.malloc.hugetlb=1) True", heap

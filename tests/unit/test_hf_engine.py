@@ -336,6 +336,38 @@ def test_dropped_weights_come_back_from_a_full_sync_and_serve_as_before(model_di
             np.testing.assert_array_equal(got.logprobs, want.logprobs)
 
 
+def test_take_weights_keeps_received_tensors_as_the_dropped_parameters(model_dir, other_model_dir):
+    """`take_weights` (what a weight sync calls with the tensors it received): a dropped parameter keeps the tensor
+    itself as its storage where dtype and shape fit, and one of another dtype is cast into an allocation; a
+    parameter that was not dropped is copied into, never replaced. The engine then serves what one loaded with
+    those weights serves."""
+    named = [(n, p.detach().clone()) for n, p in AutoModelForCausalLM.from_pretrained(other_model_dir).named_parameters()]
+    requests = _requests()
+    with (
+        build_engine("hf", model_dir, device="cpu", tp_size=1, seed=0) as engine,
+        build_engine("hf", other_model_dir, device="cpu", tp_size=1, seed=0) as reference,
+    ):
+        params = dict(engine._model.named_parameters())
+        engine.drop_weights()
+        cast = {"transformer.ln_f.weight"}  # sent in float64: the engine casts it to its own fp32
+        sent = [(n, t.double() if n in cast else t) for n, t in named]
+        engine.take_weights(sent[:3], final=False)
+        engine.take_weights(sent[3:], final=True)
+        for name, tensor in sent:
+            kept = params[name].data_ptr() == tensor.data_ptr()
+            assert kept == (name not in cast), name
+        assert params["transformer.ln_f.weight"].dtype == torch.float32
+        for got, want in zip(engine.generate(requests), reference.generate(requests)):
+            np.testing.assert_array_equal(got.response_ids, want.response_ids)
+            np.testing.assert_array_equal(got.logprobs, want.logprobs)
+
+        before = {n: p.data_ptr() for n, p in params.items()}
+        fresh = [(n, t.clone()) for n, t in named]
+        engine.take_weights(fresh, final=True)  # nothing dropped: loaded into the engine's own storage
+        assert {n: p.data_ptr() for n, p in params.items()} == before
+        assert all(p.data_ptr() != t.data_ptr() for (_, t), p in zip(fresh, params.values()))
+
+
 def test_a_sync_that_leaves_a_dropped_weight_unsent_raises_naming_it(model_dir, other_model_dir):
     named = list(AutoModelForCausalLM.from_pretrained(other_model_dir).named_parameters())
     with build_engine("hf", model_dir, device="cpu", tp_size=1, seed=0) as engine:

@@ -5,7 +5,6 @@ shipped config, the refusals, the pairs' owners, and the manifest and bucket for
 """
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -165,24 +164,26 @@ def test_buckets_are_bounded_the_last_is_final_and_a_big_tensor_goes_alone():
     assert list(iter_buckets(iter([]), limit=100)) == [([], True)]
 
 
-def test_an_mpi_bucket_of_one_tensor_is_sent_and_loaded_without_a_copy():
-    """A tensor alone in its bucket (a real vocabulary's embedding) goes from its own bytes and is loaded from the
-    received buffer; a bucket of several is one payload, unpacked into tensors of their own, round-tripping
-    every dtype and shape."""
-    from yatt_hpc.comm.weight_sync import _mpi_bucket, _unpack_mpi
+def test_an_mpi_bucket_is_sent_from_each_tensors_own_bytes():
+    """No bucket is packed: each contiguous CPU tensor goes from its own bytes (every dtype and shape, a 0-d and
+    an empty one included), and a non-contiguous one from a contiguous copy; the manifest says how to rebuild it."""
+    from yatt_hpc.comm.weight_sync import _mpi_bucket
 
-    big = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
-    body, payload = _mpi_bucket([("embed", big)], final=True)
-    assert np.shares_memory(payload, big.view(torch.uint8).numpy()), "sent from the tensor's own bytes"
-    (name, got), = _unpack_mpi(body, payload)
-    assert name == "embed" and torch.equal(got, big) and got.data_ptr() == payload.ctypes.data
-
-    small = [("a", torch.arange(3, dtype=torch.bfloat16)), ("b", torch.arange(6, dtype=torch.float32).reshape(2, 3))]
-    body, payload = _mpi_bucket(small, final=False)
-    assert not any(np.shares_memory(payload, t.view(torch.uint8).numpy()) for _, t in small)
-    unpacked = _unpack_mpi(body, payload)
-    assert [n for n, _ in unpacked] == ["a", "b"] and all(torch.equal(u, t) for (_, u), (_, t) in zip(unpacked, small))
-    assert all(not np.shares_memory(payload, u.view(torch.uint8).numpy()) for _, u in unpacked), "their own storage"
+    bucket = [("a", torch.arange(3, dtype=torch.bfloat16)), ("b", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+              ("t", torch.arange(6, dtype=torch.float32).reshape(2, 3).t()), ("s", torch.tensor(2.5)),
+              ("e", torch.zeros(0, 4))]
+    body, pieces = _mpi_bucket(bucket, final=True)
+    assert body == {"final": True, "tensors": [
+        {"name": "a", "dtype": "bfloat16", "shape": [3]}, {"name": "b", "dtype": "float32", "shape": [2, 3]},
+        {"name": "t", "dtype": "float32", "shape": [3, 2]}, {"name": "s", "dtype": "float32", "shape": []},
+        {"name": "e", "dtype": "float32", "shape": [0, 4]}]}
+    assert [p.size for p in pieces] == [6, 24, 24, 4, 0]
+    own_bytes = [bool(t.numel()) and p.ctypes.data == t.data_ptr() for p, (_, t) in zip(pieces, bucket)]
+    assert own_bytes == [True, True, False, True, False]
+    for piece, (_, tensor) in zip(pieces, bucket):
+        rebuilt = torch.empty(tensor.shape, dtype=tensor.dtype)  # what the receiver does (`_recv_mpi_bucket`)
+        rebuilt.reshape(-1).view(torch.uint8).numpy()[:] = piece
+        assert torch.equal(rebuilt, tensor)
 
 
 def test_a_pipelined_trainer_sends_over_mpi_and_refuses_collective():

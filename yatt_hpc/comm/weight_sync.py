@@ -8,21 +8,24 @@
 The protocol, per destination, every message on TAG_WEIGHTS from its owner (ipc's answer back on
 TAG_WEIGHTS_DONE); `receive_weights` refuses a message of another transport, naming both:
 
-    mpi         per bucket: BUCKET(manifest with byte offsets, payload = the tensors' bytes)
+    mpi         per bucket: BUCKET(manifest of names, dtypes, shapes), then each tensor's bytes as a message
     collective  once per pair: JOIN(rendezvous); per bucket: BUCKET(manifest), then one broadcast per
                 tensor over the pair's group (`yatt_hpc/device/weight_group.py`)
     ipc         per bucket: BUCKET(manifest, payload = the tensors' CUDA IPC handles) -> DONE from the
                 engine once it holds its copies (the owner keeps the bucket alive until then)
 
-A message is an int64 pair (envelope bytes, payload bytes), a JSON envelope {kind, transport, body}
-and the payload, if any. Tensor data is never pickled: the mpi payload is raw bytes; ipc pickles only
-the handles (`comm/weight_ipc.py`). A single tensor larger than the bucket goes alone in its own bucket,
-sent from the tensor's own bytes and loaded from the received buffer (no copy on either side).
+A message is an int64 pair (envelope bytes, payload bytes), a JSON envelope {kind, transport, body, pieces}
+and the payload as `pieces` messages of those sizes, if any. Tensor data is never pickled: an mpi tensor is its
+raw bytes; ipc pickles only the handles (`comm/weight_ipc.py`). An mpi tensor is sent from its own bytes (a
+contiguous CPU weight: no copy) and received into a tensor of its dtype and shape, which the engine takes as
+its own (`take_weights`): an `hf` engine that gave its weights back for the sync keeps the received tensors as
+its parameters. No bucket is packed into one buffer and unpacked again, and no parameter is allocated and
+copied into after arriving: at Qwen2.5-0.5B's size (2 GB in fp32) those were three copies of the weights a sync.
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -92,8 +95,8 @@ class WeightSender:
         by = {t: [d for d in dests if self.transport(d) == t] for t in ("mpi", "collective", "ipc")}
         sent = 0
         if by["mpi"]:
-            body, payload = _mpi_bucket(bucket, final)
-            sent += sum(send_message(self.comm, d, "bucket", "mpi", body, payload) for d in by["mpi"])
+            body, pieces = _mpi_bucket(bucket, final)
+            sent += sum(send_message(self.comm, d, "bucket", "mpi", body, pieces) for d in by["mpi"])
         if by["collective"]:
             tensors = [t.detach().contiguous() for _, t in bucket]
             for dest in by["collective"]:
@@ -106,7 +109,7 @@ class WeightSender:
         if by["ipc"]:
             payload, shared = ipc_payload(bucket)
             body = {"final": final, "names": [n for n, _ in bucket]}
-            sent += sum(send_message(self.comm, d, "bucket", "ipc", body, payload) for d in by["ipc"])
+            sent += sum(send_message(self.comm, d, "bucket", "ipc", body, [payload]) for d in by["ipc"])
             for dest in by["ipc"]:
                 recv_ints(self.comm, dest, TAG_WEIGHTS_DONE)
             del shared  # every engine holds its copies now
@@ -126,52 +129,59 @@ class WeightSender:
         return self.groups[dest], sent
 
 
-def _mpi_bucket(bucket: Bucket, final: bool) -> tuple[dict, np.ndarray]:
-    entries, offset, chunks = [], 0, []
+def _mpi_bucket(bucket: Bucket, final: bool) -> tuple[dict, list[np.ndarray]]:
+    """The manifest and each tensor's bytes (a view of a contiguous CPU tensor, not a copy)."""
+    entries, pieces = [], []
     for name, tensor in bucket:
         flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        entries.append({"name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
-                        "offset": offset, "nbytes": int(flat.size)})
-        chunks.append(flat)
-        offset += flat.size
-    # a bucket of one tensor (one over the bucket size: a real vocabulary's embedding) goes from its own bytes
-    payload = chunks[0] if len(chunks) == 1 else np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
-    return {"final": final, "tensors": entries}, payload
+        entries.append({"name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)})
+        pieces.append(flat)
+    return {"final": final, "tensors": entries}, pieces
 
 
-def send_message(comm, dest: int, kind: str, transport: str, body: dict, payload: np.ndarray | None = None) -> int:
-    """One protocol message; returns the bytes it put on MPI."""
-    envelope = np.frombuffer(json.dumps({"kind": kind, "transport": transport, "body": body}).encode(), np.uint8)
-    size = 0 if payload is None else payload.size
+def send_message(comm, dest: int, kind: str, transport: str, body: dict, pieces: Sequence[np.ndarray] = ()) -> int:
+    """One protocol message, its payload as one MPI message a piece; returns the bytes it put on MPI."""
+    sizes = [int(p.size) for p in pieces]
+    envelope = np.frombuffer(json.dumps({"kind": kind, "transport": transport, "body": body,
+                                         "pieces": sizes}).encode(), np.uint8)
     DOORBELL.ring(comm, dest)  # a payload larger than eager waits for the receiver to match it
-    comm.Send(np.array([envelope.size, size], dtype=np.int64), dest=dest, tag=TAG_WEIGHTS)
+    comm.Send(np.array([envelope.size, sum(sizes)], dtype=np.int64), dest=dest, tag=TAG_WEIGHTS)
     comm.Send(envelope, dest=dest, tag=TAG_WEIGHTS)
-    if size:
-        comm.Send(payload, dest=dest, tag=TAG_WEIGHTS)
+    for piece in pieces:
+        if piece.size:
+            comm.Send(piece, dest=dest, tag=TAG_WEIGHTS)
     ACTIVITY.progress("send weights")
-    return 16 + envelope.size + size
+    return 16 + envelope.size + sum(sizes)
 
 
-def recv_message(comm, source: int) -> tuple[dict, np.ndarray]:
+def recv_envelope(comm, source: int) -> dict:
+    """The next message's envelope; its pieces, if any, follow (`recv_pieces`)."""
     wait_for_message(comm, source, TAG_WEIGHTS)
     sizes = np.empty(2, dtype=np.int64)
     comm.Recv(sizes, source=source, tag=TAG_WEIGHTS)
     envelope = np.empty(int(sizes[0]), dtype=np.uint8)
     comm.Recv(envelope, source=source, tag=TAG_WEIGHTS)
-    payload = np.empty(int(sizes[1]), dtype=np.uint8)
-    if sizes[1]:
-        comm.Recv(payload, source=source, tag=TAG_WEIGHTS)
-    return json.loads(envelope.tobytes()), payload
+    message = json.loads(envelope.tobytes())
+    if sum(message["pieces"]) != int(sizes[1]):
+        raise RuntimeError(f"weight sync protocol: rank {source} announced {int(sizes[1])} payload bytes but its "
+                           f"envelope lists pieces of {message['pieces']}")
+    return message
 
 
-def _unpack_mpi(body: dict, payload: np.ndarray) -> Bucket:
-    """The bucket's tensors: each its own copy of its bytes (so aligned for its dtype whatever lies before it),
-    except a bucket's only tensor, which is the received buffer itself (no second copy of a 0.3 GB embedding)."""
-    raw, alone = torch.from_numpy(payload), len(body["tensors"]) == 1
-    bucket = []
-    for e in body["tensors"]:
-        piece = raw[e["offset"]: e["offset"] + e["nbytes"]]
-        bucket.append((e["name"], (piece if alone else piece.clone()).view(_DTYPES[e["dtype"]]).reshape(e["shape"])))
+def recv_pieces(comm, source: int, envelope: dict, buffers: list[np.ndarray]) -> None:
+    """Receive the envelope's pieces into `buffers` (uint8 arrays of the announced sizes, in order)."""
+    if [int(b.size) for b in buffers] != envelope["pieces"]:
+        raise RuntimeError(f"weight sync protocol: rank {source} sends pieces of {envelope['pieces']} bytes, the "
+                           f"receiver expected {[int(b.size) for b in buffers]} (the manifest and the payload differ)")
+    for buffer in buffers:
+        if buffer.size:
+            comm.Recv(buffer, source=source, tag=TAG_WEIGHTS)
+
+
+def _recv_mpi_bucket(comm, source: int, envelope: dict) -> Bucket:
+    """The bucket's tensors, each received straight into a tensor of its own dtype and shape."""
+    bucket = [(e["name"], torch.empty(e["shape"], dtype=_DTYPES[e["dtype"]])) for e in envelope["body"]["tensors"]]
+    recv_pieces(comm, source, envelope, [t.reshape(-1).view(torch.uint8).numpy() for _, t in bucket])
     return bucket
 
 
@@ -189,7 +199,7 @@ def receive_weights(comm, sources: int | list[int], engine, transport: str) -> i
 def _receive_from(comm, source: int, engine, transport: str, last: bool) -> int:
     buckets = 0
     while True:
-        envelope, payload = recv_message(comm, source)
+        envelope = recv_envelope(comm, source)
         _expect(envelope, transport, source)
         body = envelope["body"]
         if envelope["kind"] == "join":
@@ -198,12 +208,14 @@ def _receive_from(comm, source: int, engine, transport: str, last: bool) -> int:
             continue
         final = bool(body["final"]) and last
         if transport == "mpi":
-            engine.update_weights(_unpack_mpi(body, payload), final=final)
+            engine.take_weights(_recv_mpi_bucket(comm, source, envelope), final=final)
         elif transport == "collective":
             with ACTIVITY.waiting(f"receive weights from {source}"):
                 engine.update_weights_from_group(BucketManifest.from_dict(body))
         else:
-            engine.update_weights(rebuild_ipc_bucket(payload), final=final)
+            payload = np.empty(sum(envelope["pieces"]), dtype=np.uint8)
+            recv_pieces(comm, source, envelope, [payload])
+            engine.take_weights(rebuild_ipc_bucket(payload), final=final)
             send_ints(comm, source, TAG_WEIGHTS_DONE, [len(body["names"])])
         ACTIVITY.progress("receive weights")
         buckets += 1

@@ -212,6 +212,14 @@ class BaseEngine(abc.ABC):
         any tensor of that bucket is loaded.
         """
 
+    def take_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, final: bool, version: int | None = None
+    ) -> None:
+        """``update_weights`` for tensors the caller gives up (received for this engine, used by nothing else): the
+        engine may keep them as its own storage rather than copy them. This default copies (``update_weights``);
+        the `hf` engine keeps those that refill the weights it gave back (`hf_weights.py`)."""
+        self.update_weights(named_tensors, final=final, version=version)
+
     def join_weight_group(self, rendezvous: Rendezvous) -> None:
         """Join the process group of this engine and the trainer owner that sends it weights
         (`rollout.weight_transport` collective), at ``rendezvous.rank_offset`` and the ranks after it.

@@ -151,6 +151,7 @@ class HFEngine(HFWeightUpdates, BaseEngine):
         # parameters being refilled -> the expert names written so far (hf_weights.py)
         self._dropped: dict[str, tuple[int, ...]] = {}
         self._refilling: dict[str, set[str]] = {}
+        self._adopting = False  # inside take_weights: a dropped parameter may keep the tensor received for it
         self._lock = threading.Lock()
         self._in_flight = False
         self._abort = threading.Event()

@@ -3,12 +3,13 @@ broadcast over the pair's own process group (`device/weight_group.py`), checked 
 
 On CPU in colocation the engine may give its weights' memory back while the trainer trains (`drop_weights`,
 called by the rollout rank between its last wave and the weight sync that replaces them all): each dropped
-parameter is allocated again as its first bucket arrives, and the sync's final bucket must have refilled every
-one (a parameter left empty, or a fused expert parameter missing an expert, raises instead of generating).
+parameter takes the tensor received for it as its storage (`take_weights`), or is allocated again as its first
+bucket arrives, and the sync's final bucket must have refilled every one (a parameter left empty, or a fused
+expert parameter missing an expert, raises instead of generating).
 
 The engine provides `_model`, `_device`, `_state_shapes` (name -> shape), `_tied` (name -> the first name
 sharing its storage), `_vision` (None for a text model), `_groups` (joined pair groups by name),
-`_version`, `_mid_update` and `_check_alive()`.
+`_version`, `_mid_update`, `_dropped`, `_refilling`, `_adopting` and `_check_alive()`.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class HFWeightUpdates:
         self._check_bucket(bucket)
         self._mid_update = True
         if self._dropped:
-            self._refill([self._expert_slots[n][0] if n in self._expert_slots else n for n, _ in bucket])
+            bucket = self._refill(bucket)
         experts = [(name, tensor) for name, tensor in bucket if name in self._expert_slots]
         for name, _ in experts:
             if self._expert_slots[name][0] in self._refilling:
@@ -54,6 +55,18 @@ class HFWeightUpdates:
             self._version = self._version + 1 if version is None else int(version)
             self._mid_update = False
 
+    def take_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, final: bool, version: int | None = None
+    ) -> None:
+        """As `update_weights`, for tensors given up by the caller (`comm/weight_sync.py` receives them for this
+        engine): a parameter given back by `drop_weights` takes its tensor as its storage, when dtype, device, shape
+        and layout match, instead of an allocation and a copy (at Qwen2.5-0.5B's size in fp32: 2 GB a sync)."""
+        self._adopting = True
+        try:
+            self.update_weights(named_tensors, final=final, version=version)
+        finally:
+            self._adopting = False
+
     def drop_weights(self) -> int:
         """CPU: free every parameter a full weight sync sends (all but a vision tower's, which the trainer sends only
         when it trains it) until that sync refills it; the bytes freed. On a GPU, `release_memory` parks them."""
@@ -69,17 +82,28 @@ class HFWeightUpdates:
             param.data = param.data.new_empty(0)
         return freed
 
-    def _refill(self, names: list[str]) -> None:
-        """Allocate the dropped parameters these bucket names write (a fused expert parameter: its whole tensor,
-        whose experts must all arrive before the final bucket)."""
+    def _refill(self, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Give storage back to the dropped parameters this bucket writes: the received tensor itself in
+        `take_weights` where it fits (that entry then needs no load), else a fresh allocation (a fused expert
+        parameter: its whole tensor, whose experts must all arrive before the final bucket). The entries still to
+        load."""
         params = dict(self._model.named_parameters())
-        for name in names:
-            key = self._tied.get(name, name)
-            if key in self._dropped:
-                param = params[key]
-                param.data = torch.empty(self._dropped.pop(key), dtype=param.dtype, device=self._device)
-                if any(slot[0] == key for slot in self._expert_slots.values()):
-                    self._refilling[key] = set()
+        rest = []
+        for name, tensor in bucket:
+            key = self._expert_slots[name][0] if name in self._expert_slots else self._tied.get(name, name)
+            if key not in self._dropped:
+                rest.append((name, tensor))
+                continue
+            param, shape = params[key], self._dropped.pop(key)
+            if (self._adopting and name not in self._expert_slots and tensor.dtype == param.dtype
+                    and tensor.device == param.device and tuple(tensor.shape) == shape and tensor.is_contiguous()):
+                param.data = tensor.detach()
+                continue
+            param.data = torch.empty(shape, dtype=param.dtype, device=self._device)
+            if any(slot[0] == key for slot in self._expert_slots.values()):
+                self._refilling[key] = set()
+            rest.append((name, tensor))
+        return rest
 
     def _check_refilled(self) -> None:
         missing = sorted(self._dropped)
@@ -108,7 +132,7 @@ class HFWeightUpdates:
         validate_bucket([(self._memory_name(n), t) for n, t in manifest.placeholders()], self._state_shapes)
         tensors = manifest.empty(self._device)
         self._groups[manifest.group_name].broadcast(tensors)
-        self.update_weights(zip(manifest.names, tensors), final=manifest.final, version=version)
+        self.take_weights(zip(manifest.names, tensors), final=manifest.final, version=version)
 
     def _memory_name(self, name: str) -> str:
         """A checkpoint name (what trainers send and SGLang loads) as this model's state-dict name:

@@ -1,5 +1,6 @@
 """Host memory a step frees stays with the process for the next step (glibc malloc).
 
+    restart_on_huge_pages()        # first thing a rank's program does (runtime/worker.py's __main__)
     kept = keep_freed_memory()     # once per rank, before the first big allocation (runtime/worker.py)
     give_back_freed_memory()       # a large free heap goes back: after start-up and resume (runtime/loop.py),
                                    # when a colocated phase ends (roles/colocation.py)
@@ -35,16 +36,75 @@ phase ends with at least `GIVE_BACK_BYTES` free in its heap (a real-size trainer
 heap is trimmed (`malloc_trim`) so the next phase's rank can have it; the next step faults those pages in
 again. A small working set (the demo's) stays. Every rank also gives back what its start-up freed (a model
 loaded and converted, a checkpoint read) before its first step: that memory no step needs again.
+
+What is given back is faulted in again by the next phase, and in 4 KiB pages that is most of a colocated CPU
+trainer's system time. So a rank's heap is put on transparent huge pages where the kernel hands them out on
+request (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise`, the common default): the rank's program
+restarts itself once, before MPI starts, with glibc's tunable `glibc.malloc.hugetlb=1` (glibc 2.35 and later:
+the heap is advised `MADV_HUGEPAGE` as it grows), which glibc reads only at start. Measured on B9r's colocated
+Qwen2.5-0.5B-shaped step (fp32, 2 threads), the trainer's minor faults fell from ~1.1 M to ~0.11 M a step and
+its system time from 10-11 s to 6.5-7 s of CPU, the weight sync from 1.6-1.8 s to 1.2 s, the step by 1-3 s; resident
+memory did not grow. (torch's own `THP_MEM_ALLOC_ENABLE`, which advises only tensors of 2 MiB and up, aligned to
+2 MiB, faulted more and held 0.9 GiB more at the same shape.) A user who names `glibc.malloc.hugetlb` in
+`GLIBC_TUNABLES` (`=0` to keep 4 KiB pages) or sets glibc's variables above decides; with THP `always` the heap
+has huge pages already, with `never` there are none, and an older glibc has no such tunable: no restart.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
+from collections.abc import Callable, Mapping
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
 NEVER_TRIM = -1  # mallopt's int, glibc's size_t: the largest threshold (man mallopt: "-1 disables trimming")
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_")
 GLIBC_ENVIRONMENT = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str((1 << 64) - 1)}
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+HUGE_PAGES = "glibc.malloc.hugetlb=1"
+
+
+def huge_page_environment(environ: Mapping[str, str] = os.environ, mode_path: str = THP_MODE,
+                          glibc: str | None = None) -> dict[str, str] | None:
+    """The environment to restart a rank with so that glibc advises its heap onto transparent huge pages, or None
+    where there is nothing to gain or the user decides (module docstring). `glibc`: its version (None: this
+    process's C library's)."""
+    if "glibc.malloc.hugetlb" in environ.get("GLIBC_TUNABLES", "") or any(name in environ for name in USER_VARIABLES):
+        return None
+    try:
+        with open(mode_path) as f:
+            if "[madvise]" not in f.read():
+                return None
+        version = glibc if glibc is not None else _glibc_version()
+    except (OSError, AttributeError):
+        return None
+    if tuple(int(x) for x in version.split(".")[:2]) < (2, 35):
+        return None
+    tunables = environ.get("GLIBC_TUNABLES")
+    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES}
+
+
+def _glibc_version() -> str:
+    version = ctypes.CDLL(None).gnu_get_libc_version  # AttributeError on another C library
+    version.restype = ctypes.c_char_p
+    return version().decode()
+
+
+def restart_on_huge_pages(execve: Callable[..., None] = os.execve) -> None:
+    """Replace this process by itself (same pid, same arguments) with `huge_page_environment`, if there is one:
+    only where the process is a rank's program and nothing has started yet (no MPI, no files, no threads)."""
+    environment = huge_page_environment()
+    if environment is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+
+
+def heap_pages() -> str:
+    """What the rank's log says of its heap's pages."""
+    if HUGE_PAGES in os.environ.get("GLIBC_TUNABLES", "").split(":"):
+        return "heap advised onto transparent huge pages (glibc.malloc.hugetlb=1)"
+    return "heap in the kernel's default pages"
 
 
 def keep_freed_memory(environ=os.environ) -> str:

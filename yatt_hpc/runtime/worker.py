@@ -138,7 +138,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     from yatt_hpc.metrics.tracking import hide_tracker_libraries
     from yatt_hpc.placement import plan
     from yatt_hpc.roles.protocol import StepProtocol, check_requested
-    from yatt_hpc.runtime.allocator import keep_freed_memory
+    from yatt_hpc.runtime.allocator import heap_pages, keep_freed_memory
     from yatt_hpc.runtime.collector import resume_after_startup
     from yatt_hpc.runtime.inputs import check_model_dirs
     from yatt_hpc.runtime.loop import SlurmFacts, StepLoop
@@ -146,7 +146,7 @@ def run_rank(group: str, run_dir: Path) -> str:
     from yatt_hpc.runtime.signals import StopFlag
 
     stop_flag = StopFlag.install()  # first: a signal during the slow start-up must not kill us mid-write
-    logging.getLogger(__name__).info("%s", keep_freed_memory())  # before the first big allocation
+    logging.getLogger(__name__).info("%s; %s", keep_freed_memory(), heap_pages())  # before the first big allocation
     quiet_libraries()
     config_yaml = (run_dir / "config.yaml").read_text()
     cfg = load_config(run_dir / "config.yaml")  # checks that the trackers' libraries are installed: then
@@ -258,4 +258,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from yatt_hpc.runtime.allocator import restart_on_huge_pages
+
+    restart_on_huge_pages()  # before anything starts: glibc reads its tunables only at start (allocator.py)
     main()
