@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -48,7 +47,7 @@ from common import PYTHON, REPO, mpi_env, print_table, row, spread, write_report
 from rich.markup import escape
 
 from yatt_hpc.metrics.writer import step_rows
-from yatt_hpc.runtime.allocator import GLIBC_ENVIRONMENT
+from yatt_hpc.runtime.allocator import peer_environment
 
 PEERS = REPO / "bench" / "peers"
 PEER_PYTHON = PEERS / ".venv" / "bin" / "python"
@@ -163,7 +162,7 @@ def run_trl(model: str, shape: dict, rows: Path, root: Path, tag: str) -> dict:
             "--steps", str(shape["steps"]), "--max-completion-length", str(shape["max_new_tokens"]), "--out", str(out)]
     # the glibc settings every yatt-hpc rank makes for itself (runtime/allocator.py), through glibc's own
     # variables: a TRL user can have them too, so the comparison is not of allocator settings
-    start = launch(argv, root / f"trl-{tag}.log", env={**os.environ, **GLIBC_ENVIRONMENT})
+    start = launch(argv, root / f"trl-{tag}.log", env=peer_environment())
     wall = time.time() - start
     data = json.loads(out.read_text())
     marks = {"imports done": data["marks"]["imports_done"], "GRPOTrainer built": data["marks"]["trainer_built"],

@@ -13,8 +13,9 @@ work), and the same KL setting: none (`train.kl_coef: 0`, TRL `beta=0`), so neit
 model. TRL is one process, its whole batch in one micro-batch, with the glibc malloc settings our ranks make for
 themselves. yatt-hpc runs 3 MPI ranks: one trainer (dp=1), one HF rollout engine, one GenRM rank scoring by
 rule, in full colocation with `placement.node_cpus` the machine's cores (each phase runs that many torch
-threads); its trainer passes the batch in micro-batches of --micro-batch samples through the chunked log-prob
-path. Two precisions, each side in its own way, the two recomputing activations or neither:
+threads); its trainer passes the batch in micro-batches of --micro-batch samples (8 by default, the default of
+`train.micro_batch_size`: one prompt's group, its prompt run once) through the chunked log-prob path. Two
+precisions, each side in its own way, the two recomputing activations or neither:
 
 * fp32: yatt-hpc `model.dtype: float32`, no recomputation; TRL fp32 without gradient checkpointing.
 * bf16: yatt-hpc `model.dtype: bfloat16` (bf16 weights for the passes and the engine, fp32 masters and AdamW)
@@ -49,7 +50,7 @@ from peer_trl import PEER_PYTHON, PEERS, commit, log_time, yatt_phases
 from real_size import build_policy, write_problems
 
 from yatt_hpc.metrics.writer import step_rows
-from yatt_hpc.runtime.allocator import GLIBC_ENVIRONMENT
+from yatt_hpc.runtime.allocator import peer_environment
 
 STEP_TARGET, MEMORY_TARGET = 0.8, 1.0
 GENERATIONS = 8
@@ -138,7 +139,7 @@ def run_trl(model: str, rows: Path, root: Path, tag: str, args, precision: str) 
             "--steps", str(args.steps), "--max-completion-length", str(args.max_new_tokens),
             "--batch-size", str(args.prompts * GENERATIONS), "--beta", "0", "--out", str(out)]
     argv += ["--bf16"] if precision == "bf16" else []
-    start, peak = launch(argv, root / f"trl-{tag}.log", {**os.environ, **GLIBC_ENVIRONMENT})
+    start, peak = launch(argv, root / f"trl-{tag}.log", peer_environment())
     data = json.loads(out.read_text())
     gen = data["phases"]["generate"]
     return {"cycle_s": list(np.diff(data["begins"])), "step_s": data["step_s"],
@@ -155,7 +156,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps a run (steps 2..N-1 are measured)")
     ap.add_argument("--prompts", type=int, default=2, help="prompts a step (x 8 samples)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--micro-batch", type=int, default=4, help="yatt-hpc's samples a micro-batch")
+    ap.add_argument("--micro-batch", type=int, default=8, help="yatt-hpc's samples a micro-batch (train.micro_batch_size)")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--precision", choices=[*DTYPES, "both"], default="both")
     args = ap.parse_args()

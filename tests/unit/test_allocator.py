@@ -160,3 +160,12 @@ def test_a_ranks_program_restarts_itself_onto_huge_pages_where_the_kernel_gives_
     assert first.split()[2:] == ["['--group',", "'trainer']", "None"]
     assert second.split()[2:] == ["['--group',", "'trainer']", "glibc.malloc.hugetlb=1"]
     assert heap == "pages: heap advised onto transparent huge pages (glibc.malloc.hugetlb=1) True", heap
+
+
+def test_a_peer_in_bench_gets_the_allocator_our_ranks_set_for_themselves():
+    from yatt_hpc.runtime.allocator import GLIBC_ENVIRONMENT, huge_page_environment, peer_environment
+
+    env = peer_environment({"PATH": "/bin"})
+    assert env.items() >= {"PATH": "/bin", **GLIBC_ENVIRONMENT}.items()
+    assert env.get("GLIBC_TUNABLES") == (None if huge_page_environment({"PATH": "/bin"}) is None
+                                         else "glibc.malloc.hugetlb=1")

@@ -27,8 +27,8 @@ of system time, 30 s. And in bf16 (same shape and batch): with only the threshol
 mapped, 2.9-4.3 M minor faults and 6-8 s of system time an update, the optimizer step 2-5 s; with no block
 mapped, 28 faults from the third update on, 0.6 s of system time, the optimizer step 0.5 s, the update 19 s
 instead of 25 s. A user who sets glibc's own variables (`USER_VARIABLES`, which glibc has applied at start) keeps them; on
-another C library nothing changes. `GLIBC_ENVIRONMENT` is the same settings as those variables, for a
-process we do not start ourselves (the peers in bench/).
+another C library nothing changes. `peer_environment` is the same settings (and the huge pages below) through
+glibc's variables, for a process we do not start ourselves (the peers in bench/).
 
 The exception is colocation, where phases take the memory in turn as they take the cores: when a rank's
 phase ends with at least `GIVE_BACK_BYTES` free in its heap (a real-size trainer's activations: GBs; a
@@ -54,7 +54,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
 NEVER_TRIM = -1  # mallopt's int, glibc's size_t: the largest threshold (man mallopt: "-1 disables trimming")
@@ -84,20 +84,26 @@ def huge_page_environment(environ: Mapping[str, str] = os.environ, mode_path: st
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES}
 
 
+def peer_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """`environ` with what every rank sets for itself here, as glibc's variables: a program we do not start (a
+    peer in bench/) runs with the same allocator."""
+    return {**(huge_page_environment(environ) or environ), **GLIBC_ENVIRONMENT}
+
+
 def _glibc_version() -> str:
     version = ctypes.CDLL(None).gnu_get_libc_version  # AttributeError on another C library
     version.restype = ctypes.c_char_p
     return version().decode()
 
 
-def restart_on_huge_pages(execve: Callable[..., None] = os.execve) -> None:
+def restart_on_huge_pages() -> None:
     """Replace this process by itself (same pid, same arguments) with `huge_page_environment`, if there is one:
     only where the process is a rank's program and nothing has started yet (no MPI, no files, no threads)."""
     environment = huge_page_environment()
     if environment is not None:
         sys.stdout.flush()
         sys.stderr.flush()
-        execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
 
 
 def heap_pages() -> str:
