@@ -72,6 +72,10 @@ class SpawningEngine(WrappedEngine):
         self._check_child()
         super().update_weights(named_tensors, final=final, version=version)
 
+    def take_weights(self, named_tensors, *, final: bool, version: int | None = None) -> None:
+        self._check_child()
+        super().take_weights(named_tensors, final=final, version=version)
+
     def join_weight_group(self, rendezvous) -> None:
         self._check_child()
         super().join_weight_group(rendezvous)
