@@ -139,3 +139,24 @@ def test_finished_groups_are_scored_while_the_long_tail_still_decodes(mpirun, lo
         assert len(rollout) == 1, "the whole wave is one engine call"
         # groups reach GenRM one by one as they finish, the first long before the last sample
         assert len(scoring) > 1 and scoring[0][2] < rollout[0][3], (rollout, scoring)
+
+
+def test_kept_host_memory_trains_bitwise_like_memory_in_turns_and_gives_nothing_back(mpirun, reference_run, tmp_path):
+    """`placement.host_memory=kept` changes where memory lives, never what is computed: 3 steps of the demo end
+    with the reference run's weights and prompts bitwise. The reference (in turns) hands memory over every step:
+    the engine's dropped weights go back to the kernel before each sync; with `kept` no rank gives any back."""
+    from tests.conftest import final_state
+    from tests.mpi.test_exact_resume import assert_same
+
+    steps = 3
+    sets = [a for kv in (f"train.steps={steps}", *reference_run.SETS, "placement.host_memory=kept")
+            for a in ("--set", kv)]
+    proc = subprocess.run([sys.executable, "-m", "yatt_hpc.cli", "run", str(REPO / "configs/demo_cpu.yaml"),
+                           "--run-dir", str(tmp_path), *sets], cwd=REPO, env=mpi_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert_same(final_state(tmp_path, steps), reference_run.state(steps), prompts=steps * PROMPTS)
+    in_turns, kept = step_rows(reference_run.dir)[:steps], step_rows(tmp_path)
+    assert all(r["memory/given_back_mb/rollout"] > 0 for r in in_turns), in_turns
+    groups = ("trainer", "rollout", "genrm")
+    assert all(r[f"memory/given_back_mb/{g}"] == 0 for r in kept for g in groups), kept

@@ -226,6 +226,8 @@ EFFECT: dict[str, str] = {
     "placement.dynamic_split.min_replicas": f"{EFFECTS}::test_min_replicas_bounds_how_far_the_split_moves",
     "placement.dynamic_split.hysteresis": f"{EFFECTS}::test_hysteresis_decides_whether_a_better_split_is_taken",
     "placement.node_cpus": "tests/unit/test_core_share.py::test_node_cpus_gives_the_running_phase_the_nodes_cores",
+    "placement.host_memory": "tests/mpi/test_placement_modes.py::"
+                             "test_kept_host_memory_trains_bitwise_like_memory_in_turns_and_gives_nothing_back",
     "placement.tools.nodes": f"{TOOLS_GROUP}::test_disjoint_tools_group_is_a_heterogeneous_component_without_gpus",
     "placement.tools.tasks_per_node": "tests/mpi/test_tool_calls.py::"
                                       "test_the_tools_group_runs_every_call_and_the_rollout_rank_none",
@@ -325,6 +327,8 @@ REFUSED: dict[str, str] = {
     "placement.genrm.cpus_per_task": "tests/unit/test_split.py::test_impossible_dynamic_split_names_field_and_fix",
     "placement.dynamic_split.min_replicas": "tests/unit/test_split.py::test_impossible_dynamic_split_names_field_and_fix",
     "placement.node_cpus": "tests/unit/test_core_share.py::test_other_placements_keep_cpus_per_task_and_refuse_node_cpus",
+    "placement.host_memory": "tests/unit/test_core_share.py::"
+                             "test_host_memory_kept_is_refused_where_no_rank_hands_memory_over",
     "placement.tools.tasks_per_node": f"{TOOLS_GROUP}::"
                                       "test_a_tools_group_that_cannot_run_is_refused_naming_the_field_and_the_fix",
     "placement.tools.nodes": f"{TOOLS_GROUP}::test_a_shared_placement_refuses_a_tools_group_on_other_nodes",

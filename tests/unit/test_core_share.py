@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import NO_EVAL, REPO
 from yatt_hpc.config import load_config
 from yatt_hpc.placement import PlanError, plan
 from yatt_hpc.roles import colocation
@@ -40,9 +40,25 @@ def test_other_placements_keep_cpus_per_task_and_refuse_node_cpus(mode):
         plan_of(f"placement.mode={mode}", "placement.node_cpus=2")
 
 
+@pytest.mark.parametrize("sets, in_turns", [
+    ((), True),
+    (("placement.host_memory=kept",), False),
+    (("placement.mode=partial", "placement.dynamic_split.enabled=true", *NO_EVAL, "placement.host_memory=kept"), False),
+])
+def test_host_memory_kept_where_phases_take_the_devices_in_turn(sets, in_turns):
+    assert plan_of(*sets).host_memory_in_turns is in_turns
+
+
+@pytest.mark.parametrize("mode", ["partial", "disjoint"])
+def test_host_memory_kept_is_refused_where_no_rank_hands_memory_over(mode):
+    assert plan_of(f"placement.mode={mode}").host_memory_in_turns  # the default: nothing to refuse
+    with pytest.raises(PlanError, match=rf"placement.host_memory=kept is set but placement.mode={mode}.*remove"):
+        plan_of(f"placement.mode={mode}", "placement.host_memory=kept")
+
+
 def test_resume_takes_the_phases_threads_and_release_gives_them_back():
     before = torch.get_num_threads()
-    stats = SimpleNamespace(phase=lambda name: nullcontext())
+    stats = SimpleNamespace(phase=lambda name: nullcontext(), add=lambda key, value: None)
     engine = SimpleNamespace(resume_memory=lambda: None, release_memory=lambda: None)
     try:
         colocation.set_phase_threads(1, 2)
@@ -73,3 +89,35 @@ def test_threads_set_before_torch_loads_are_the_ones_torch_starts_with():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["1", "1", "2"]
+
+
+# A phase that ends with 48 MiB free in its heap: kept (placement.host_memory=kept), the memory stays resident and
+# nothing is counted; in turns, it leaves the process and the rank's stats count it (memory/given_back_mb).
+PHASE_END = """
+import numpy as np, psutil
+from yatt_hpc.roles import colocation
+from yatt_hpc.runtime.allocator import keep_freed_memory
+class Stats:
+    values = {}
+    def add(self, key, value):
+        self.values[key] = self.values.get(key, 0.0) + value
+keep_freed_memory()
+blocks = [np.ones(6 << 17) for _ in range(8)]  # 48 MiB from the heap, every page written
+del blocks
+stats, rss = Stats(), lambda: psutil.Process().memory_info().rss
+colocation.set_host_memory(in_turns=False)
+before = rss()
+kept = colocation.give_back_phase_memory(stats, at_least=32 << 20)
+kept_drop, kept_counted = (before - rss()) >> 20, dict(stats.values)
+colocation.set_host_memory(in_turns=True)
+given = colocation.give_back_phase_memory(stats, at_least=32 << 20)
+print(kept, kept_drop, len(kept_counted), given >> 20, (before - rss()) >> 20, int(stats.values["given_back_bytes"]) >> 20)
+"""
+
+
+def test_a_phase_end_gives_its_free_heap_back_in_turns_and_keeps_it_when_kept():
+    done = subprocess.run([sys.executable, "-c", PHASE_END], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    kept, kept_drop, kept_counted, given_mb, dropped_mb, counted_mb = map(int, done.stdout.split())
+    assert kept == 0 and kept_drop < 8 and kept_counted == 0, done.stdout  # kept: still resident, nothing counted
+    assert given_mb >= 40 and dropped_mb >= 40 and counted_mb == given_mb, done.stdout

@@ -88,6 +88,7 @@ class Plan:
     groups: tuple[GroupPlan, ...]
     dynamic_split: bool = False  # rollout + genrm ranks are one engine pool, re-split every step
     node_cpus: int | None = None  # colocate: the cores of a node its ranks take in turn (else None)
+    host_memory_in_turns: bool = True  # placement.host_memory: a phase's freed host memory goes back when it ends
 
     def phase_threads(self, group: str) -> tuple[int, int]:
         """(idle, active) torch threads of a rank of `group`: active while its phase holds the devices.
@@ -187,11 +188,16 @@ def plan(cfg: RunConfig) -> Plan:
                                 ep=gp.ep if name == "trainer" else 1))
         start += gp.nodes * gp.tasks_per_node
     node_cpus = _node_cpus(pc, groups)  # the groups that take the devices in turn: tool ranks run no torch
+    if pc.host_memory == "kept" and pc.mode != "colocate" and not pc.dynamic_split.enabled:
+        raise PlanError(f"placement.host_memory=kept is set but placement.mode={pc.mode} without a dynamic split: "
+                        "its ranks never hand memory to one another, so every rank keeps its memory already; remove "
+                        "placement.host_memory or set placement.mode=colocate")
     tools = pc.tools
     if tools.enabled:  # after GenRM: no rank of the three groups moves, whatever the tools group's size
         groups.append(GroupPlan("tools", tools.nodes, tools.tasks_per_node, 0, tools.cpus_per_task, tools.mem,
                                 (("dp", tools.nodes * tools.tasks_per_node),), start, SlurmShape(kind, len(groups))))
-    out = Plan(pc.mode, tuple(groups), dynamic_split=pc.dynamic_split.enabled, node_cpus=node_cpus)
+    out = Plan(pc.mode, tuple(groups), dynamic_split=pc.dynamic_split.enabled, node_cpus=node_cpus,
+               host_memory_in_turns=pc.host_memory == "in_turns")
     from yatt_hpc.placement.weight_transport import weight_pairs  # it builds on this module
 
     weight_pairs(out, cfg.rollout.weight_transport, cfg.rollout.engine)  # refuses a transport that cannot work

@@ -13,6 +13,10 @@ On CPU the cores are the devices: in full colocation a rank that resumes also ta
 the node's cores as torch threads and gives them back on release (`Plan.phase_threads`, from
 `placement.node_cpus`; the worker calls `set_phase_threads` once). The counts come from the config
 alone, never from the machine, so a run's numbers do not depend on how it was launched.
+
+Host memory goes in turns too (`placement.host_memory=in_turns`, the default): a phase that ends returns what
+it freed to the kernel (`give_back_phase_memory`, counted in the rank's `given_back_bytes`), so the next phase's
+rank can have it. With `kept` (the worker calls `set_host_memory` once) every rank keeps its heap.
 """
 from __future__ import annotations
 
@@ -20,9 +24,10 @@ import os
 import sys
 from contextlib import contextmanager
 
-from yatt_hpc.runtime.allocator import give_back_freed_memory
+from yatt_hpc.runtime.allocator import GIVE_BACK_BYTES, give_back_freed_memory
 
 _THREADS = (0, 0)  # (idle, active) torch threads; 0: leave torch's setting alone (tests, tools)
+_IN_TURNS = True  # placement.host_memory=in_turns: a phase's freed host memory goes back to the kernel as it ends
 
 
 def set_phase_threads(idle: int, active: int) -> None:
@@ -30,6 +35,23 @@ def set_phase_threads(idle: int, active: int) -> None:
     global _THREADS
     _THREADS = (idle, active)
     _threads(idle)
+
+
+def set_host_memory(in_turns: bool) -> None:
+    """Whether this rank gives the host memory a phase freed back to the kernel when the phase ends."""
+    global _IN_TURNS
+    _IN_TURNS = in_turns
+
+
+def give_back_phase_memory(stats, at_least: int = GIVE_BACK_BYTES) -> int:
+    """At the end of a phase, host memory in turns: the rank's free heap back to the kernel when it holds at least
+    `at_least` bytes (`runtime/allocator.py`); the bytes it held, added to the rank's `given_back_bytes`. 0 and
+    nothing done with `placement.host_memory=kept`."""
+    if not _IN_TURNS:
+        return 0
+    returned = give_back_freed_memory(at_least)
+    stats.add("given_back_bytes", returned)
+    return returned
 
 
 def _threads(n: int) -> None:
@@ -54,7 +76,7 @@ def release(stats, thing) -> None:
         _threads(_THREADS[0])
         with stats.phase("release"):
             thing.release_memory()
-            give_back_freed_memory()  # host memory in turns too, when the phase freed a lot (runtime/allocator.py)
+            give_back_phase_memory(stats)  # host memory in turns too, when the phase freed a lot
 
 
 @contextmanager

@@ -38,11 +38,10 @@ from yatt_hpc.comm.weight_sync import receive_weights
 from yatt_hpc.config.schema import RunConfig
 from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.base import BaseController, eval_round, rank_device, rollout_engine_options, training_round
-from yatt_hpc.roles.colocation import holding_devices
+from yatt_hpc.roles.colocation import give_back_phase_memory, holding_devices
 from yatt_hpc.roles.partial import PartialSegments
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.rollout import GenerationRequest, GenerationResult, build_engine
-from yatt_hpc.runtime.allocator import give_back_freed_memory
 from yatt_hpc.runtime.rank_stats import RankStats
 from yatt_hpc.sched.finished import FinishedResults
 from yatt_hpc.sched.overdispatch import RolloutWork
@@ -82,7 +81,7 @@ class RolloutController(PartialSegments, BaseController):
         # CPU colocation, one weight version a step: between its last wave and the sync that replaces them, the hf
         # engine's weights are freed (rollout/hf_weights.py drop_weights)
         self.drop_before_sync = self.colocate and cfg.rollout.engine == "hf" and rank_device(world) == "cpu" \
-            and cfg.rollout.max_staleness == 0
+            and cfg.rollout.max_staleness == 0 and world.plan.host_memory_in_turns
         self.stops = StopWatch(world.comm, self.engine)  # over-dispatch STOPs, whichever way it generates
         # how this rank's weights arrive (placement/weight_transport.py); the same table as its owner's
         self.weight_transport = weight_pairs(world.plan, cfg.rollout.weight_transport, cfg.rollout.engine)[world.rank].transport
@@ -99,7 +98,7 @@ class RolloutController(PartialSegments, BaseController):
         if self.drop_before_sync:  # CPU colocation: the trainer's phase gets this engine's weight memory
             freed = self.engine.drop_weights()
             # back to the kernel, whatever their size: blocks of every size come from the heap (runtime/allocator.py)
-            returned = give_back_freed_memory(at_least=freed // 2) if freed else 0
+            returned = give_back_phase_memory(self.stats, at_least=freed // 2) if freed else 0
             log.debug("engine weights freed until the sync refills them: %.1f MB (heap trimmed: %.1f MB free)",
                       freed / 2**20, returned / 2**20)
         self.receive_weights()

@@ -54,12 +54,11 @@ from yatt_hpc.lora.identity import lora_record, resume_problem
 from yatt_hpc.placement.weight_transport import weight_pairs
 from yatt_hpc.roles.async_steps import AsyncSteps
 from yatt_hpc.roles.base import BaseController, group_rendezvous, prompt_tools, rank_device
-from yatt_hpc.roles.colocation import holding_devices
+from yatt_hpc.roles.colocation import give_back_phase_memory, holding_devices
 from yatt_hpc.roles.protocol import GENERATED, SCORED, StepProtocol
 from yatt_hpc.roles.samples import TermLabels, sample_rows, samples_due
 from yatt_hpc.roles.update_steps import UpdateSteps
 from yatt_hpc.roles.validation import HeldOut
-from yatt_hpc.runtime.allocator import give_back_freed_memory
 from yatt_hpc.runtime.rank_stats import RankStats
 from yatt_hpc.sched.balance import balance_coeff
 from yatt_hpc.sched.dynamic_sampling import DynamicSampler, has_signal
@@ -152,7 +151,7 @@ class TrainerController(UpdateSteps, AsyncSteps, BaseController):
                 update = self.train_on(batch, step, values)
             if self.colocate:  # the engines' weights arrive next: the update's gradients and activations go first
                 self.policy.drop_gradients()
-                give_back_freed_memory()
+                give_back_phase_memory(self.stats)
             with self.stats.phase("weight_sync"):
                 self.sync_weights()
         self.critic_update(batch, step)                     # and its second: the value loss

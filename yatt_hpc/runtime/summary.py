@@ -93,6 +93,7 @@ def step_scalars(reports: list[dict], step_seconds: float, leader_report: dict) 
         busy = sum(sum(r["times"].values()) for r in members) / max(len(members), 1)
         out[f"time/bubble_pct/{group}"] = 100.0 * max(0.0, 1.0 - busy / max(step_seconds, 1e-9))
         out[f"memory/peak_rss_mb/{group}"] = max(r["peak_rss_mb"] for r in members)
+        out[f"memory/given_back_mb/{group}"] = _sum(reports, "given_back_bytes", group) / 2**20
         out[f"control/peak_held_samples/{group}"] = float(max(r["peak_held"] for r in members))
         out[f"wire/batch_bytes/{group}"] = _sum(reports, "wire_batch_bytes", group)
         out[f"wire/image_bytes/{group}"] = _sum(reports, "wire_image_bytes", group)

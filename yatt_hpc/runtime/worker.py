@@ -70,10 +70,11 @@ def leader_console():
 
 
 def build_controller(world, cfg, run_dir: Path, stats, protocol):
-    from yatt_hpc.roles.colocation import set_phase_threads
+    from yatt_hpc.roles.colocation import set_host_memory, set_phase_threads
 
     idle, active = world.plan.phase_threads(world.group)
     set_phase_threads(idle, active)
+    set_host_memory(world.plan.host_memory_in_turns)
     if cfg.placement.mode == "colocate" and not world.plan.device_ids(world.rank):  # the cores are the devices
         logging.getLogger(__name__).info(
             "colocated on CPU: %d torch thread(s) in this rank's phase, %d outside it (placement.node_cpus=%s%s)",
