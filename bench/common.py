@@ -44,8 +44,24 @@ def machine() -> dict:
     mem = 0
     if Path("/proc/meminfo").exists():
         mem = int(Path("/proc/meminfo").read_text().split()[1]) // 1024
-    return {"host": platform.node(), "cpus": os.cpu_count(), "mem_mb": mem, "python": platform.python_version(),
-            "load_avg_at_end": [round(x, 2) for x in load], "mpirun": shutil.which("mpirun")}
+    return {"host": platform.node(), "cpu": cpu_model(), "cpus": os.cpu_count(), "mem_mb": mem,
+            "python": platform.python_version(), "load_avg_at_end": [round(x, 2) for x in load],
+            "mpirun": shutil.which("mpirun")}
+
+
+MATMUL_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what oneDNN and MKL pick their kernels by
+
+
+def cpu_model() -> str:
+    """The CPU's name as Linux reports it and its matrix-product features ("?" elsewhere): a product's speed
+    differs by vendor and features (MKL against oneDNN, device/cpu_matmul.py)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "?"
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return f"{name} ({' '.join(f for f in MATMUL_FEATURES if f in flags) or 'none of ' + ' '.join(MATMUL_FEATURES)})"
 
 
 def print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:

@@ -33,10 +33,12 @@ layer's activations per token without the logits' part (`per_layer`); `tp2` agai
 into what tensor parallelism divides and what every rank keeps (there is no sequence parallelism); `plain`'s
 slope less its layers is the logits' part. `paper_memory` turns them into GB on the busiest H200 for
 Qwen2.5-7B, 32B and 72B (`PAPER_MODELS`) at 4k, 16k and 32k tokens a micro-batch: arithmetic, not measured,
-the pipeline rows (pp2, pp4) most of all.
+the pipeline rows (pp2, pp4) most of all. The measured `pp2` layout (two stages of 12 layers, each with a
+vocabulary table: the embedding on the first, the tied output layer's copy on the last) runs Megatron's 1F1B
+schedule, so its first stage holds both micro-batches of the update in flight; its row reports the busier
+stage, and the same arithmetic for it at its own tokens is printed beside it (`paper_check`).
 
-Prints both tables and writes bench/results/memory_at_scale.json. A pipeline-parallel layout is one more
-`Layout` entry once the trainer builds pipeline stages.
+Prints both tables and writes bench/results/memory_at_scale.json.
 """
 from __future__ import annotations
 
@@ -113,6 +115,7 @@ class Layout:
     train: dict = field(default_factory=dict)        # TrainConfig fields
     tp: int = 1
     dp: int = 1
+    pp: int = 1                                      # pipeline stages: the row reports the busier stage's rank
     layers: int = QWEN05.layers
     samples: int = 4                                 # responses of the rank's one prompt
     lengths: tuple[int, int] = (240, 480)            # response tokens at the two points
@@ -121,7 +124,7 @@ class Layout:
 
     @property
     def ranks(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.pp
 
     def train_fields(self, length: int) -> dict:
         budget = {"max_tokens_per_micro_batch": PROMPT_TOKENS + self.budget_responses * length} \
@@ -137,6 +140,7 @@ LAYOUTS = [
     Layout("full", "train.recompute: full (1 layer a chunk)", {"recompute": "full"}),
     Layout("bf16", "model.dtype: bfloat16 (bf16 weights and gradients, fp32 masters and AdamW; not in the paper "
            "table)", dtype="bfloat16"),
+    Layout("pp2", "pipeline parallel 2, 1F1B (the busier stage: 12 layers and a vocabulary table each)", pp=2),
     Layout("budget", "responses 2x as long, train.max_tokens_per_micro_batch: one of them", lengths=(480, 960),
            budget_responses=1),
     # calibration: the same layouts with fewer layers. tp 2 at 12 layers keeps two ranks small; its log-prob chunks
@@ -207,9 +211,11 @@ def measure_rank(layout: Layout, length: int) -> dict:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-    mm.initialize_model_parallel(rank, comm.Get_size(), "127.0.0.1", comm.bcast(port), tp_size=layout.tp, seed=0)
-    dp_rank = rank // layout.tp  # Megatron puts a tensor-parallel group's ranks next to each other
-    dp_comm = comm.Split(rank % layout.tp, dp_rank)
+    mm.initialize_model_parallel(rank, comm.Get_size(), "127.0.0.1", comm.bcast(port), tp_size=layout.tp,
+                                 pp_size=layout.pp, seed=0)
+    # Megatron's order is tp-cp-dp-pp: a tensor-parallel group's ranks next to each other, the stages outermost
+    dp_rank, pp_rank = (rank // layout.tp) % layout.dp, rank // (layout.tp * layout.dp)
+    dp_comm = comm.Split(rank % layout.tp + layout.tp * pp_rank, dp_rank)
     cfg = TrainConfig(**layout.train_fields(length))
     s = QWEN05
     config = Qwen2Config(hidden_size=s.hidden, intermediate_size=s.intermediate, num_hidden_layers=layout.layers,
@@ -254,15 +260,35 @@ def measure_rank(layout: Layout, length: int) -> dict:
         return norm
 
     policy._micro_step, policy._optimizer_step = measured_micro_step, measured_optimizer_step
+    if layout.pp > 1:  # the 1F1B schedule runs every micro-batch of the update in one call: that call is measured,
+        run = policy.pipeline.run  # and the gradients stay allocated between updates (zeroed in place, the values
+        # the same), so that from the second update on its peak over its entry is the activations in flight alone
+
+        def measured_run(*args, **kwargs):
+            entry = resident()
+            reset_hwm()
+            out = run(*args, **kwargs)
+            phases["micro"].append(vm_hwm())
+            phases["activations"].append(vm_hwm() - entry)
+            return out
+
+        def zero_in_place() -> None:
+            for p in policy.named_params.values():
+                if p.grad is not None:
+                    p.grad.zero_()
+
+        policy.pipeline.run, policy._zero_grads = measured_run, zero_in_place
     policy.update(warm, warm_adv, warm_plan)  # a short update first: AdamW's moments exist from here on
     marks = {k: len(v) for k, v in phases.items()}
     start = time.perf_counter()
     stats = policy.update(batch, adv, plan)
     seconds = time.perf_counter() - start
     measured = {k: v[marks[k]:] for k, v in phases.items()}
-    out = {"rank": rank, "base": base, "built": built - base,
-           # the first micro-batch creates the gradients; from the second on they are there before it starts
-           "activations": max(measured["activations"][1:]), "micro_peak": max(measured["micro"]) - base,
+    # the first micro-batch creates the gradients; from the second on they are there before it starts (pipeline
+    # stages: they are there before the measured update's schedule starts)
+    activations = measured["activations"] if layout.pp > 1 else measured["activations"][1:]
+    out = {"rank": rank, "pp_rank": pp_rank, "base": base, "built": built - base,
+           "activations": max(activations), "micro_peak": max(measured["micro"]) - base,
            "held": max(measured["held"]) - base, "optimizer": max(measured["optimizer"]) - base,
            "micro_batches": len(measured["micro"]), "params": sum(p.numel() for p in model.parameters()),
            "largest_tensor": max(p.numel() * p.element_size() for p in model.parameters()),
@@ -369,6 +395,16 @@ def paper_memory(shape: Shape, layout: PaperLayout, cal: Calibration, tokens: in
     return {"state": state, "activations": activations, "total": state + max(activations, transient)}
 
 
+def paper_check(points: dict, cal: Calibration) -> str:
+    """The measured pipeline layout's busier stage beside what `paper_memory` gives for it (Qwen2.5-0.5B, pp 2)."""
+    out = []
+    for r in sorted(points.values(), key=lambda r: r["micro_batch_tokens"]):
+        paper = paper_memory(QWEN05, PaperLayout("pp2", 1, 1, pp=2), cal, r["micro_batch_tokens"])
+        out.append(f"{r['micro_batch_tokens']:,} tokens: measured {peak_of(r) / GB:.2f} GB, on paper "
+                   f"{paper['total'] / GB:.2f} GB (state {r['held'] / GB:.2f} against {paper['state'] / GB:.2f})")
+    return "; ".join(out)
+
+
 def largest_tp(shape: Shape, at_most: int = 8) -> int:
     """The largest tensor-parallel size up to `at_most` that divides the query and key/value heads."""
     return max(t for t in range(1, at_most + 1) if shape.heads % t == 0 and shape.kv_heads % t == 0
@@ -422,7 +458,7 @@ def measured_rows(results: dict) -> tuple[list[dict], list[list[str]]]:
             continue
         points = results[layout.name]
         big = max(points.values(), key=lambda r: r["micro_batch_tokens"])
-        peak = max(big["micro_peak"], big["optimizer"])
+        peak = peak_of(big)
         tokens = " / ".join(f"{r['micro_batch_tokens']:,}" for r in sorted(points.values(),
                                                                            key=lambda r: r["micro_batch_tokens"]))
         per_param, per_token = held_per_param(points), f"{slope(points) / MB:.2f}"
@@ -437,6 +473,11 @@ def measured_rows(results: dict) -> tuple[list[dict], list[list[str]]]:
         table.append([layout.name, f"{big['params'] / 1e6:.0f}", tokens + steps, f"{peak / GB:.2f}",
                       f"{per_param:.2f}", f"{extra:.2f}", per_token, f"{big['update_s']:.0f}"])
     return rows, table
+
+
+def peak_of(r: dict) -> int:
+    """A rank's peak over its model-less baseline: the update's forward and backward, or its optimizer step."""
+    return max(r["micro_peak"], r["optimizer"])
 
 
 def chunk_rows(tp: int) -> int:
@@ -506,7 +547,9 @@ def main() -> None:
         results[layout.name], ranks[layout.name] = {}, {}  # a layout's two points come from one run
         for length in layout.lengths:
             found = run_layout(layout, length)
-            results.setdefault(layout.name, {})[str(length)] = found[0]
+            # rank 0 (tensor and data parallel ranks hold the same); of pipeline stages, the busier one
+            results.setdefault(layout.name, {})[str(length)] = max(found[:layout.pp * layout.tp * layout.dp:
+                                                                         layout.tp * layout.dp], key=peak_of)
             ranks.setdefault(layout.name, {})[str(length)] = found
             print(f"{layout.name} at {length}: {json.dumps(found[0])}", flush=True)
     rows, table = measured_rows(results)
@@ -523,6 +566,8 @@ def main() -> None:
         return
     cal = calibrate(results)
     paper = paper_table(cal)
+    if "pp2" in results:
+        rows.append({"label": "pp2 against the arithmetic", "value": paper_check(results["pp2"], cal)})
     print_table("B12 on paper: the busiest GPU, fp32 as measured (GB; '(tight)': over 127, '(no)': over 141)",
                 PAPER_COLUMNS,
                 paper_cells(paper))

@@ -122,23 +122,23 @@ BENCHES = [
     Bench("B9r", "peer_trl_real", run=False, limits=(
         "Both sides recompute activations or neither: fp32 without (TRL keeps them too), bf16 with (TRL's "
         "gradient checkpointing). Generation is where we gain: in fp32 the engine's projections run on oneDNN's "
-        "matmul, which streams the 2 GB of weights each decode step at 2x MKL's rate on this AMD CPU "
-        "(device/cpu_matmul.py), where TRL's generate goes through MKL; in bf16 the engine holds bf16 weights "
-        "(1 GB) where TRL's autocast generates from its fp32 weights. Training is within 10% of TRL's in both: the "
-        "forward products on oneDNN and the backward's on MKL, the weight gradients added into `.grad` by the "
-        "product and the embedding's rows in place (no table-sized temporary a micro-batch), logits only at the "
-        "positions that predict a response token; against that, colocation hands the trainer's freed activations "
-        "and gradients back to the kernel each step, and faulting them in again costs seconds on this VM, fewer in "
-        "the 2 MiB pages the ranks' heaps take (runtime/allocator.py: ~0.1 M faults a step instead of ~1.1 M). "
-        "The weight sync (~1 s a step in fp32, 0.5 s in bf16: the whole model between processes, each tensor "
-        "received into the tensor the engine keeps; TRL generates with the model it trains) takes back part of the "
-        "gain. Both sides run with the same glibc allocator settings, huge pages included. Memory peaks in "
-        "training: the trainer's weights, masters and AdamW moments, the gradients and one micro-batch's "
-        "activations, beside the engine without its weights and the GenRM rank, which decodes with the tokenizers "
-        "library alone (0.13 GB). One turn a side, steps 2..5 of 6, on a machine whose load moves both sides by "
-        "10-35% between runs: in the same hour the fp32 pair ran 0.81x (memory 0.77x) and, with micro-batches of 8 "
-        "(the config's default), 0.83x (memory 0.85x; bf16 0.57x and 0.96x). Run by hand (~14-26 min; needs TRL's "
-        "venv).")),
+        "matmul, whose output projection (the 151,936 x 896 table) takes 40 ms a decode step here against MKL's "
+        "95 (device/cpu_matmul.py), where TRL's generate goes through MKL; in bf16 the engine holds bf16 weights "
+        "(1 GB) where TRL's autocast generates from its fp32 weights. Training is within 10% of TRL's with the "
+        "host memory in turns: the forward products on oneDNN and the backward's on MKL, the weight gradients "
+        "added into `.grad` by the product and the embedding's rows in place, logits only at the positions that "
+        "predict a response token; against that, the trainer hands its freed gradients and activations (~3 GB) to "
+        "the kernel each step and the engine its weights before each sync, and faulting them in again costs "
+        "seconds on this VM even in 2 MiB pages (the kernel compacts memory to find them). "
+        "`placement.host_memory: kept` skips the hand-overs, and the trainer then trains faster than TRL's one "
+        "micro-batch, but the node holds every rank's working set at once: in fp32 that is still under TRL's "
+        "peak, in bf16 it is over (TRL's autocast keeps no bf16 copy of its weights). So each precision meets "
+        "both targets with one setting, fp32 kept and bf16 in turns, and the table shows both. The weight sync "
+        "(~1 s a step in fp32, 0.5 s in bf16: the whole model between processes; TRL generates with the model it "
+        "trains) takes back part of the gain. Both sides run with the same glibc allocator settings, huge pages "
+        "included. The GenRM rank decodes with the tokenizers library alone (0.13 GB). One turn a side, steps "
+        "2..5 of 6, on a machine whose load moves both sides by 10-35% between runs (the fp32 in-turns ratio "
+        "was 0.81-0.83x in earlier runs). Run by hand (~20 min; needs TRL's venv).")),
     Bench("B10", "ckpt_memory", limits=(
         "A save's staging copy is the rank's whole tensor state (fp32 parameters and AdamW moments, ~12 bytes a "
         "parameter) up to checkpoint.staging_mb; past the cap the rest is written before the step goes on, so "
@@ -252,7 +252,8 @@ def machine_text(report: dict) -> str:
         return report["machine_text"]
     m = report.get("machine") or {}
     load = "/".join(f"{x:g}" for x in m.get("load_avg_at_end", []))
-    return (f"{m.get('cpus', '?')} CPUs, {m.get('mem_mb', 0) / 1024:.0f} GiB RAM, Python {m.get('python', '?')}, "
+    cpu = f" ({m['cpu']})" if m.get("cpu") else ""  # results written before bench/common.py recorded it have none
+    return (f"{m.get('cpus', '?')} CPUs{cpu}, {m.get('mem_mb', 0) / 1024:.0f} GiB RAM, Python {m.get('python', '?')}, "
             f"load average {load} at the end")
 
 

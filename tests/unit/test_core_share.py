@@ -92,7 +92,7 @@ def test_threads_set_before_torch_loads_are_the_ones_torch_starts_with():
 
 
 # A phase that ends with 48 MiB free in its heap: kept (placement.host_memory=kept), the memory stays resident and
-# nothing is counted; in turns, it leaves the process and the rank's stats count it (memory/given_back_mb).
+# nothing is counted; in turns, it leaves the process and the rank's stats count what left (memory/given_back_mb).
 PHASE_END = """
 import numpy as np, psutil
 from yatt_hpc.roles import colocation
@@ -120,4 +120,4 @@ def test_a_phase_end_gives_its_free_heap_back_in_turns_and_keeps_it_when_kept():
     assert done.returncode == 0, done.stderr[-2000:]
     kept, kept_drop, kept_counted, given_mb, dropped_mb, counted_mb = map(int, done.stdout.split())
     assert kept == 0 and kept_drop < 8 and kept_counted == 0, done.stdout  # kept: still resident, nothing counted
-    assert given_mb >= 40 and dropped_mb >= 40 and counted_mb == given_mb, done.stdout
+    assert given_mb >= 40 and dropped_mb >= 40 and abs(counted_mb - dropped_mb) <= 1, done.stdout  # what left

@@ -183,5 +183,5 @@ class PlacementConfig(Section):
     node's peak is about the largest phase's, and the next phase faults those pages in again. `kept`: every
     rank keeps what it allocated, so the node's peak is the sum of the ranks' working sets and no step faults
     memory in again; faster where the node has the memory (docs/placement.md: at Qwen2.5-0.5B's shape in fp32 on
-    2 cores, the step 19% shorter and the peak 2.1 GiB higher). Other placements keep it anyway and refuse
+    2 cores, the step 9% shorter and the peak 2.4 GiB higher). Other placements keep it anyway and refuse
     `kept`."""

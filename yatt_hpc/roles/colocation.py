@@ -45,13 +45,25 @@ def set_host_memory(in_turns: bool) -> None:
 
 def give_back_phase_memory(stats, at_least: int = GIVE_BACK_BYTES) -> int:
     """At the end of a phase, host memory in turns: the rank's free heap back to the kernel when it holds at least
-    `at_least` bytes (`runtime/allocator.py`); the bytes it held, added to the rank's `given_back_bytes`. 0 and
-    nothing done with `placement.host_memory=kept`."""
+    `at_least` bytes (`runtime/allocator.py`); returns the free bytes it held. What left the process (its
+    resident size before less after) is added to the rank's `given_back_bytes`. 0 and nothing done with
+    `placement.host_memory=kept`."""
     if not _IN_TURNS:
         return 0
+    before = _resident()
     returned = give_back_freed_memory(at_least)
-    stats.add("given_back_bytes", returned)
+    if returned:
+        stats.add("given_back_bytes", max(0, before - _resident()))
     return returned
+
+
+def _resident() -> int:
+    """This process's resident bytes (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _threads(n: int) -> None:

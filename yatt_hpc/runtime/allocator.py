@@ -30,7 +30,8 @@ instead of 25 s. A user who sets glibc's own variables (`USER_VARIABLES`, which 
 another C library nothing changes. `peer_environment` is the same settings (and the huge pages below) through
 glibc's variables, for a process we do not start ourselves (the peers in bench/).
 
-The exception is colocation, where phases take the memory in turn as they take the cores: when a rank's
+The exception is colocation, where phases take the memory in turn as they take the cores (with
+`placement.host_memory: in_turns`, the default; `kept` leaves every rank its heap, roles/colocation.py): when a rank's
 phase ends with at least `GIVE_BACK_BYTES` free in its heap (a real-size trainer's activations: GBs; a
 0.5B bf16 trainer's gradients and the activations it keeps: ~1.5 GB, some of it in holes below the heap's top), the
 heap is trimmed (`malloc_trim`) so the next phase's rank can have it; the next step faults those pages in
