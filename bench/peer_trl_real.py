@@ -16,7 +16,8 @@ rule, in full colocation with `placement.node_cpus` the machine's cores (each ph
 threads), once a turn with each `placement.host_memory` (`in_turns`: the phases hand the memory they freed to
 the next one; `kept`: every rank keeps its working set, as TRL's one process does); its trainer passes the
 batch in micro-batches of --micro-batch samples (4 by default: half of `train.micro_batch_size`'s default, which
-held 1.3 GiB more in fp32 and ran no faster at this shape) through the chunked log-prob path. Two precisions, each side in its own way, the two recomputing activations or neither:
+held 1.3 GiB more in fp32 and ran no faster at this shape) through the chunked log-prob path. Two precisions,
+each side in its own way, the two recomputing activations or neither:
 
 * fp32: yatt-hpc `model.dtype: float32`, no recomputation; TRL fp32 without gradient checkpointing.
 * bf16: yatt-hpc `model.dtype: bfloat16` (bf16 weights for the passes and the engine, fp32 masters and AdamW)
