@@ -153,6 +153,10 @@ def print_plan(p: Plan, run_dir: str, console: Console, python: str = "python3",
         threads = ", ".join(f"{g.name} {p.phase_threads(g.name)[1]}" for g in p.groups if g.name != "tools")
         console.print(f"colocated phases take turns on {p.node_cpus} CPU cores per node (placement.node_cpus): "
                       f"threads per rank in its phase {threads}", markup=False, highlight=False)
+    if p.mode == "colocate" or p.dynamic_split:
+        held = "in turns: what a phase frees goes back to the kernel when it ends" if p.host_memory_in_turns else \
+            "kept: every rank keeps its working set, the node holds them all at once"
+        console.print(f"host memory {held} (placement.host_memory)", markup=False, highlight=False)
     if p.dynamic_split:
         pool, first = p.pool_ranks, p.group("rollout").tasks
         console.print(f"dynamic split: ranks {pool.start}-{pool.stop - 1} are one engine pool, re-split by load every "
