@@ -1,10 +1,12 @@
-"""B12's arithmetic (bench/memory_at_scale.py): parameter counts, the calibration from the measured layouts, and
-the on-paper memory of a layout, each against a case computed by hand; and the page renders its extra tables.
+"""B12's arithmetic (bench/memory_on_paper.py): parameter counts, the calibration from the measured layouts
+(bench/memory_at_scale.py), and the on-paper memory of a layout, each against a case computed by hand; and the page
+renders its extra tables.
 
     .venv/bin/python -m pytest tests/unit/test_memory_at_scale.py -q
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import sys
@@ -23,8 +25,9 @@ def load(name: str):
 
 
 mas = load("memory_at_scale")
-TOY = mas.Shape("toy", layers=4, hidden=10, heads=2, kv_heads=2, intermediate=20, vocab=100, tied=False)
-CAL = mas.Calibration(unsharded_per_param=8, optimizer_per_param=8, step_transient=2, replicated_per_hidden=1,
+paper = importlib.import_module("memory_on_paper")  # as memory_at_scale imports it (it puts bench/ on the path)
+TOY = paper.Shape("toy", layers=4, hidden=10, heads=2, kv_heads=2, intermediate=20, vocab=100, tied=False)
+CAL = paper.Calibration(unsharded_per_param=8, optimizer_per_param=8, step_transient=2, replicated_per_hidden=1,
                       split_per_width=2, full_kept_per_hidden=0.5, vocab_per_entry=3)
 
 
@@ -32,37 +35,37 @@ def test_parameter_counts_are_the_published_ones():
     # a toy layer: Q 10x10 + 10, K and V 10x10 + 10 each, O 10x10, MLP 3 x 10 x 20, two norms of 10
     assert TOY.layer_params == 110 + 220 + 100 + 600 + 20
     assert TOY.params == 4 * 1050 + 2 * 100 * 10 + 10
-    assert mas.QWEN05.params == 494_032_768  # Qwen2.5-0.5B (and what Megatron built in the bench)
-    assert mas.PAPER_MODELS[0].params == 7_615_616_512  # Qwen2.5-7B
-    assert [round(s.params / 1e9, 1) for s in mas.PAPER_MODELS] == [7.6, 32.8, 72.7]
+    assert paper.QWEN05.params == 494_032_768  # Qwen2.5-0.5B (and what Megatron built in the bench)
+    assert paper.PAPER_MODELS[0].params == 7_615_616_512  # Qwen2.5-7B
+    assert [round(s.params / 1e9, 1) for s in paper.PAPER_MODELS] == [7.6, 32.8, 72.7]
 
 
 @pytest.mark.parametrize("layout, tokens, want", [
     # state 6200 params / tp 2 x (8 + 8/4); a layer 1 x 10 + 2 x 50 / 2 = 60 a token, x 4 layers, + logits 3 x 100 / 2
-    pytest.param(mas.PaperLayout("tp2 sharded", 2, 4, shard=True), 100,
+    pytest.param(paper.PaperLayout("tp2 sharded", 2, 4, shard=True), 100,
                  {"state": 31000, "activations": 100 * (4 * 60 + 150), "total": 31000 + 39000}, id="tp2-sharded"),
     # 10 tokens: the activations (3900) are below the optimizer step's transient, 2 x 100 x 10 / 2 x 4 bytes
-    pytest.param(mas.PaperLayout("tp2 sharded", 2, 4, shard=True), 10,
+    pytest.param(paper.PaperLayout("tp2 sharded", 2, 4, shard=True), 10,
                  {"state": 31000, "activations": 3900, "total": 35000}, id="transient-dominates"),
     # pp 2: 2 layers and one vocabulary table a stage; full recompute keeps 0.5 x 10 a layer and token plus one
     # layer's 60 while it is recomputed; the first stage holds 2 micro-batches (2 x 2 x 5 + 60 = 80), the last
     # one and, after the logits' 150 are freed, the recomputed layer (2 x 5 + max(60, 150) = 160)
-    pytest.param(mas.PaperLayout("pp2", 2, 4, pp=2, shard=True, recompute="full"), 100,
+    pytest.param(paper.PaperLayout("pp2", 2, 4, pp=2, shard=True, recompute="full"), 100,
                  {"state": 3100 / 2 * 10, "activations": 16000, "total": 15500 + 16000}, id="pp2-full"),
     # full recompute, one stage: 4 layers x 5 kept, then the larger of the logits' 150 and a recomputed layer's 60
-    pytest.param(mas.PaperLayout("full", 2, 4, shard=True, recompute="full"), 100,
+    pytest.param(paper.PaperLayout("full", 2, 4, shard=True, recompute="full"), 100,
                  {"state": 31000, "activations": 100 * (4 * 5 + 150), "total": 31000 + 17000}, id="tp2-full"),
     # unsharded: all 16 bytes a parameter on every data-parallel rank; a layer 10 + 2 x 50 = 110 a token
-    pytest.param(mas.PaperLayout("tp1", 1, 8), 1, {"state": 6200 * 16, "activations": 4 * 110 + 300,
+    pytest.param(paper.PaperLayout("tp1", 1, 8), 1, {"state": 6200 * 16, "activations": 4 * 110 + 300,
                                                   "total": 6200 * 16 + 2 * 1000 * 4}, id="tp1-plain"),
 ])
 def test_paper_memory_matches_the_hand_computed_case(layout, tokens, want):
-    got = mas.paper_memory(TOY, layout, CAL, tokens)
+    got = paper.paper_memory(TOY, layout, CAL, tokens)
     assert got == pytest.approx(want)
 
 
 def test_calibration_recovers_the_coefficients_the_measurements_were_made_from():
-    s = mas.QWEN05
+    s = paper.QWEN05
     replicated, split, vocab, kept = 40e3, 100e3, 1.2e6, 4e3  # per token: a layer's two parts, the logits, full
 
     def points(per_token: float, held: float = 16.0, params: int = s.params) -> dict:
@@ -87,7 +90,7 @@ def test_calibration_recovers_the_coefficients_the_measurements_were_made_from()
 
 
 def test_seven_b_takes_the_largest_tensor_parallel_size_its_heads_allow():
-    assert [mas.largest_tp(s) for s in mas.PAPER_MODELS] == [4, 8, 8]  # 7B: 28 heads over 4 key/value heads
+    assert [paper.largest_tp(s) for s in paper.PAPER_MODELS] == [4, 8, 8]  # 7B: 28 heads over 4 key/value heads
 
 
 def test_a_report_with_tables_renders_them_under_the_result(tmp_path, monkeypatch):
