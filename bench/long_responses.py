@@ -17,10 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-from common import PYTHON, REPO, mpi_env, print_table, write_report
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the run's config comes from tests/programs/
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import PYTHON, REPO, mpi_env, print_table, write_report  # noqa: E402
 
 VARIANTS = {
     "plain": [],
