@@ -149,9 +149,12 @@ BENCHES = [
     Bench("B11", "long_responses", limits=(
         "Tiny width (64) on CPU, so attention over the 4,000-token responses is most of what a micro-batch holds: "
         "the budget bounds it by the budget's tokens, recomputation drops it from what the backward keeps. The "
-        "figures include the trainer process's ~370 MB of torch and Megatron. Train times share 2 busy cores with "
-        "other work and move by 1.5x between runs; recomputation's second forward and the budget's smaller "
-        "matmuls cost time, not measured closely here.")),
+        "figures include the trainer process's ~370 MB of torch and Megatron, and they are resident sizes of a heap "
+        "on 2 MiB pages (runtime/allocator.py), which at this width holds more than what is live: in a run of the "
+        "two alone with 4 KiB pages (`GLIBC_TUNABLES=glibc.malloc.hugetlb=0`) full recomputation peaked at 1,921 MB "
+        "(2,516 here) and budget+full at 883 MB (771). Train times share 2 busy cores with other work and move by "
+        "1.5x between runs; recomputation's second forward and the budget's smaller matmuls cost time, not "
+        "measured closely here.")),
     Bench("B12", "memory_at_scale", limits=(
         "The on-paper table counts fp32. The bf16 row is the model an H200 run uses (bf16 weights, fp32 masters and "
         "AdamW): at dp 1 it holds 16.2 bytes a parameter as fp32 does, because its fp32 master gradients are made one "
