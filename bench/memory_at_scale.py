@@ -69,8 +69,6 @@ from memory_on_paper import (
 PROMPT_TOKENS = 64
 
 
-
-
 @dataclass(frozen=True)
 class Layout:
     """One measured row: a trainer layout and the batch each of its ranks updates on."""
@@ -233,8 +231,9 @@ def measure_rank(layout: Layout, length: int) -> dict:
             entry = resident()
             reset_hwm()
             out = run(*args, **kwargs)
-            phases["micro"].append(vm_hwm())
-            phases["activations"].append(vm_hwm() - entry)
+            peak = vm_hwm()
+            phases["micro"].append(peak)
+            phases["activations"].append(peak - entry)
             return out
 
         def zero_in_place() -> None:
@@ -400,8 +399,7 @@ def main() -> None:
         for length in layout.lengths:
             found = run_layout(layout, length)
             # rank 0 (tensor and data parallel ranks hold the same); of pipeline stages, the busier one
-            results.setdefault(layout.name, {})[str(length)] = max(found[:layout.pp * layout.tp * layout.dp:
-                                                                         layout.tp * layout.dp], key=peak_of)
+            results.setdefault(layout.name, {})[str(length)] = max(found[::layout.tp * layout.dp], key=peak_of)
             ranks.setdefault(layout.name, {})[str(length)] = found
             print(f"{layout.name} at {length}: {json.dumps(found[0])}", flush=True)
     rows, table = measured_rows(results)

@@ -102,7 +102,7 @@ def launch(argv: list[str], log: Path, env: dict, rank_logs: Path | None = None)
     return start, peak
 
 
-def yatt_config(model: str, problems: Path, args, precision: str, host_memory: str = "in_turns") -> dict:
+def yatt_config(model: str, problems: Path, args, precision: str, host_memory: str) -> dict:
     return {"model": {"path": model, "dtype": DTYPES[precision]},
             "data": {"source": str(problems), "seed": 1234, "max_prompt_tokens": 128},
             "train": {"steps": args.steps, "seed": 0, "prompts_per_step": args.prompts, "micro_batch_size": args.micro_batch,
